@@ -1,0 +1,75 @@
+"""Write docs/configuration.md from the config dataclasses (their docstrings are the reference text).
+
+    python scripts/gen_config_docs.py           # rewrite the page
+    python scripts/gen_config_docs.py --check   # exit 1 if the page is out of date (a unit test runs this)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from torchtitan.config.manager import ALIASES, _type_name, field_docs, section_classes  # noqa: E402
+
+PAGE = REPO / "docs" / "configuration.md"
+
+INTRO = """# Configuration reference
+
+Generated from `torchtitan/config/job_config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.
+
+A run's configuration is the dataclass defaults, overridden by a TOML file (`--job.config_file`, which
+`run_train.sh` sets from `CONFIG_FILE`), overridden by `--section.key value` command-line arguments.
+`./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type or an
+invalid value stops the run before any process group is created, with one line naming the key and file.
+The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`.
+
+Key names follow torchtitan v0.2.2's TOML schema where the concept is the same. Differences:
+- `training.dataset` defaults to `python_stdlib` (the embedded corpus), not `c4_test`.
+- The tokenizer is `model.tokenizer_path` (a `tokenizer.json` file or a folder with one); v0.2.2's
+  `model.hf_assets_path` is accepted as an alias.
+- `seed` and `deterministic` live in `[debug]` as in v0.2.2; `training.seed` / `training.deterministic`
+  are accepted as aliases.
+- `activation_checkpoint.mode` defaults to `none` until activation checkpointing lands.
+- Options marked "not available yet" are parsed (so existing files load) but enabling them is an error.
+"""
+
+
+def render() -> str:
+    lines = [INTRO]
+    if ALIASES:
+        lines.append("Aliases: " + ", ".join(f"`{a}.{b}` -> `{c}.{d}`" for (a, b), (c, d) in ALIASES.items()) + "\n")
+    for section, cls in section_classes().items():
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        defaults = cls()
+        lines.append(f"## [{section}]\n")
+        lines.append("| key | type | default | meaning |")
+        lines.append("|---|---|---|---|")
+        for f in dataclasses.fields(cls):
+            default = json.dumps(getattr(defaults, f.name))
+            lines.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | `{default}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    text = render()
+    if "--check" in sys.argv:
+        if not PAGE.exists() or PAGE.read_text() != text:
+            print(f"{PAGE} is out of date: run python scripts/gen_config_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.parent.mkdir(exist_ok=True)
+    PAGE.write_text(text)
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Registry of integration flavors: each is a layout launched through run_train.sh on CPU (gloo).
+
+Every flavor trains the same global batch (8 sequences of 64 tokens) for the same steps in fp32, so its
+per-step loss must match the 1-process reference (DESIGN rule 6). New parallelisms add flavors here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GLOBAL_BATCH = 8
+STEPS = 10
+
+
+@dataclass(frozen=True)
+class Flavor:
+    name: str
+    """test id"""
+    nproc: int
+    """processes launched by torchrun"""
+    overrides: tuple[str, ...]
+    """config overrides on top of the common ones"""
+
+
+# The model and schedule shared by every flavor: small enough for seconds per run on 2 cores.
+COMMON = (
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "64",
+    "--training.global_batch_size", str(GLOBAL_BATCH),
+    "--training.mixed_precision_param", "float32",
+    "--metrics.log_freq", "1",
+    "--lr_scheduler.warmup_steps", "2",
+    "--debug.seed", "7",
+    "--job.print_config", "false",
+)
+
+REFERENCE = Flavor("single_process", 1, ("--training.local_batch_size", "8"))
+
+FLAVORS = [
+    Flavor("grad_accum_1proc", 1, ("--training.local_batch_size", "2")),
+    Flavor("fsdp2", 2, ("--training.local_batch_size", "4")),
+    Flavor("fsdp2_grad_accum", 2, ("--training.local_batch_size", "2")),
+    Flavor("fsdp4", 4, ("--training.local_batch_size", "2")),
+    Flavor("fsdp2_reshard_never", 2, ("--training.local_batch_size", "4",
+                                      "--parallelism.fsdp_reshard_after_forward", "never")),
+    Flavor("hsdp2x2", 4, ("--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2")),
+    Flavor("ddp2", 2, ("--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "1")),
+]

@@ -1,0 +1,52 @@
+"""Run ./run_train.sh the way a user does, with an outer timeout, and read back metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    dump_folder: Path
+
+    def metrics(self) -> list[dict]:
+        path = self.dump_folder / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics()]
+
+
+def run_train(nproc: int, args: list[str] | tuple[str, ...], dump_folder: Path, cache_dir: Path,
+              timeout: int = 240, extra_env: dict[str, str] | None = None) -> RunResult:
+    env = dict(os.environ)
+    env.update({
+        "NGPU": str(nproc),
+        "PYTHON": sys.executable,  # the interpreter running the tests already has everything
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TORCHTITAN_CACHE_DIR": str(cache_dir),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+        "CUDA_VISIBLE_DEVICES": "",
+    })
+    env.update(extra_env or {})
+    cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder),
+           "--comm.init_timeout_seconds", "90", "--comm.train_timeout_seconds", "60", *args]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"run_train.sh timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}") from None
+    return RunResult(proc.returncode, proc.stdout + proc.stderr, dump_folder)

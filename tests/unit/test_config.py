@@ -1,0 +1,742 @@
+"""Unit tests for torchtitan.config: defaults < TOML < CLI, one-line ConfigErrors, value checks, --help."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import validate
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import (
+    ALIASES,
+    ConfigError,
+    field_docs,
+    help_text,
+    parse_args,
+    section_classes,
+    to_dict,
+    to_json,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
+
+
+def _write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _config_error(argv: list[str]) -> str:
+    """parse_args(argv) must fail with a ConfigError whose message is one non-empty line; return it."""
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    msg = str(info.value)
+    assert msg and "\n" not in msg and "\r" not in msg, repr(msg)
+    return msg
+
+
+def _toml_error(tmp_path: Path, text: str) -> tuple[str, Path]:
+    p = _write(tmp_path, text)
+    msg = _config_error(["--job.config_file", str(p)])
+    assert str(p) in msg, f"TOML error does not name the file: {msg}"
+    return msg, p
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults_are_the_dataclass_defaults():
+    cfg = parse_args([])
+    assert isinstance(cfg, JobConfig)
+    assert to_dict(cfg) == to_dict(JobConfig())
+    assert cfg.model.name == "llama3"
+    assert cfg.model.flavor == "debugmodel"
+    assert cfg.training.steps == 10000
+    assert cfg.training.global_batch_size == -1
+    assert cfg.optimizer.lr == pytest.approx(8e-4)
+    assert cfg.lr_scheduler.decay_ratio is None
+    assert cfg.parallelism.data_parallel_shard_degree == -1
+    assert cfg.model.converters == []
+    assert cfg.compile.components == ["model", "loss"]
+    assert cfg.debug.seed is None
+    assert cfg.debug.deterministic is False
+
+
+def test_list_defaults_are_not_shared_between_instances():
+    a, b = JobConfig(), JobConfig()
+    a.compile.components.append("x")
+    assert b.compile.components == ["model", "loss"]
+
+
+def test_to_json_round_trips():
+    import json
+
+    cfg = parse_args(["--training.steps", "7"])
+    assert json.loads(to_json(cfg)) == to_dict(cfg)
+    assert json.loads(to_json(cfg))["training"]["steps"] == 7
+
+
+def test_parse_args_without_argv_reads_sys_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "--training.steps", "11"])
+    assert parse_args().training.steps == 11
+
+
+# --------------------------------------------------------------------------- precedence
+
+
+def test_toml_overrides_defaults(tmp_path):
+    p = _write(
+        tmp_path,
+        """
+[job]
+description = "from toml"
+[training]
+steps = 123
+seq_len = 64
+max_norm = 2
+[optimizer]
+lr = 1e-3
+[lr_scheduler]
+decay_ratio = 0.25
+[model]
+converters = []
+[checkpoint]
+exclude_from_loading = ["optimizer", "dataloader"]
+[metrics]
+enable_tensorboard = true
+[debug]
+seed = 5
+""",
+    )
+    cfg = parse_args(["--job.config_file", str(p)])
+    assert cfg.job.config_file == str(p)
+    assert cfg.job.description == "from toml"
+    assert cfg.training.steps == 123
+    assert cfg.training.seq_len == 64
+    assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
+    assert cfg.optimizer.lr == pytest.approx(1e-3)
+    assert cfg.lr_scheduler.decay_ratio == pytest.approx(0.25)
+    assert cfg.checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
+    assert cfg.metrics.enable_tensorboard is True
+    assert cfg.debug.seed == 5
+    # untouched keys keep their defaults
+    assert cfg.training.local_batch_size == JobConfig().training.local_batch_size
+    assert cfg.optimizer.beta2 == JobConfig().optimizer.beta2
+
+
+def test_cli_overrides_toml(tmp_path):
+    p = _write(tmp_path, "[training]\nsteps = 123\nseq_len = 64\n[optimizer]\nlr = 1e-3\n")
+    cfg = parse_args(["--training.steps", "5", "--job.config_file", str(p), "--optimizer.lr=2e-3"])
+    assert cfg.training.steps == 5  # CLI wins over TOML, wherever it appears on the line
+    assert cfg.optimizer.lr == pytest.approx(2e-3)  # --a.b=v form
+    assert cfg.training.seq_len == 64  # TOML wins over the default
+
+
+def test_cli_config_file_with_equals_form(tmp_path):
+    p = _write(tmp_path, "[training]\nsteps = 9\n")
+    assert parse_args([f"--job.config_file={p}"]).training.steps == 9
+
+
+@pytest.mark.parametrize(
+    ("argv", "section", "key", "expected"),
+    [
+        (["--training.steps", "3"], "training", "steps", 3),
+        (["--training.steps=3"], "training", "steps", 3),
+        (["--training.global_batch_size", "-1"], "training", "global_batch_size", -1),
+        (["--optimizer.lr", "1e-2"], "optimizer", "lr", 1e-2),
+        (["--optimizer.lr=3"], "optimizer", "lr", 3.0),
+        (["--job.description", "hello world"], "job", "description", "hello world"),
+        (["--job.description=a=b"], "job", "description", "a=b"),
+        (["--job.save_config_file="], "job", "save_config_file", ""),
+        (["--metrics.enable_tensorboard"], "metrics", "enable_tensorboard", True),
+        (["--job.print_config", "false"], "job", "print_config", False),
+        (["--job.print_config=False"], "job", "print_config", False),
+        (["--job.print_config", "0"], "job", "print_config", False),
+        (["--job.print_config", "off"], "job", "print_config", False),
+        (["--metrics.enable_tensorboard", "yes"], "metrics", "enable_tensorboard", True),
+        (["--metrics.enable_tensorboard=ON"], "metrics", "enable_tensorboard", True),
+        (["--checkpoint.exclude_from_loading", "optimizer,dataloader"], "checkpoint", "exclude_from_loading",
+         ["optimizer", "dataloader"]),
+        (["--checkpoint.exclude_from_loading", " optimizer , dataloader ,"], "checkpoint", "exclude_from_loading",
+         ["optimizer", "dataloader"]),
+        (["--checkpoint.exclude_from_loading", '["optimizer", "lr_scheduler"]'], "checkpoint",
+         "exclude_from_loading", ["optimizer", "lr_scheduler"]),
+        (["--checkpoint.exclude_from_loading", "[]"], "checkpoint", "exclude_from_loading", []),
+        (["--compile.components", "model"], "compile", "components", ["model"]),
+        (["--parallelism.module_fqns_per_model_part", '[["tok_embeddings", "layers.0"], ["norm"]]'],
+         "parallelism", "module_fqns_per_model_part", [["tok_embeddings", "layers.0"], ["norm"]]),
+        (["--parallelism.module_fqns_per_model_part", "none"], "parallelism", "module_fqns_per_model_part",
+         None),
+        (["--debug.seed", "7"], "debug", "seed", 7),
+        (["--debug.seed", "none"], "debug", "seed", None),
+        (["--debug.seed=None"], "debug", "seed", None),
+        (["--lr_scheduler.decay_ratio", "0.2"], "lr_scheduler", "decay_ratio", 0.2),
+        (["--lr_scheduler.decay_ratio", "null"], "lr_scheduler", "decay_ratio", None),
+        (["--parallelism.pipeline_parallel_layers_per_stage", "4"], "parallelism",
+         "pipeline_parallel_layers_per_stage", 4),
+    ],
+)
+def test_cli_value_forms(argv, section, key, expected):
+    cfg = parse_args(argv)
+    value = getattr(getattr(cfg, section), key)
+    if isinstance(expected, float):
+        assert value == pytest.approx(expected) and isinstance(value, float)
+    else:
+        assert value == expected and type(value) is type(expected)
+
+
+def test_bare_bool_flag_followed_by_another_override():
+    cfg = parse_args(["--metrics.enable_tensorboard", "--training.steps", "4"])
+    assert cfg.metrics.enable_tensorboard is True
+    assert cfg.training.steps == 4
+
+
+def test_none_for_optional_cli_overrides_toml(tmp_path):
+    p = _write(tmp_path, "[lr_scheduler]\ndecay_ratio = 0.5\n[debug]\nseed = 3\n")
+    cfg = parse_args(["--job.config_file", str(p), "--lr_scheduler.decay_ratio", "none", "--debug.seed", "none"])
+    assert cfg.lr_scheduler.decay_ratio is None
+    assert cfg.debug.seed is None
+
+
+def test_none_is_a_plain_string_for_str_fields():
+    # Only Optional fields treat "none" as None.
+    assert parse_args(["--job.description", "none"]).job.description == "none"
+
+
+def test_last_cli_override_wins():
+    assert parse_args(["--training.steps", "3", "--training.steps", "4"]).training.steps == 4
+
+
+# --------------------------------------------------------------------------- aliases
+
+
+def test_alias_key_on_cli():
+    assert ("model", "hf_assets_path") in ALIASES
+    cfg = parse_args(["--model.hf_assets_path", "/some/tokenizer"])
+    assert cfg.model.tokenizer_path == "/some/tokenizer"
+
+
+def test_alias_key_in_toml(tmp_path):
+    p = _write(tmp_path, '[model]\nhf_assets_path = "/from/toml"\n')
+    assert parse_args(["--job.config_file", str(p)]).model.tokenizer_path == "/from/toml"
+
+
+def test_every_alias_points_at_a_real_field():
+    sections = section_classes()
+    for (sec, key), (tsec, tkey) in ALIASES.items():
+        assert tsec in sections
+        assert tkey in {f.name for f in dataclasses.fields(sections[tsec])}
+        if sec in sections:  # an alias must not shadow a real field
+            assert key not in {f.name for f in dataclasses.fields(sections[sec])}
+
+
+@pytest.mark.parametrize(
+    ("argv", "seed", "deterministic"),
+    [
+        (["--training.seed", "5"], 5, False),
+        (["--debug.seed", "5"], 5, False),
+        (["--training.seed", "5", "--debug.seed", "5"], 5, False),
+        (["--training.deterministic"], None, True),
+        (["--debug.deterministic"], None, True),
+        (["--training.deterministic", "true", "--debug.deterministic", "true"], None, True),
+        (["--training.deterministic", "false"], None, False),
+        (["--training.seed", "0"], 0, False),
+    ],
+)
+def test_training_seed_and_deterministic_are_aliases_of_debug(argv, seed, deterministic):
+    cfg = parse_args(argv)
+    assert cfg.debug.seed == seed
+    assert cfg.debug.deterministic is deterministic
+    # the alias is folded into [debug], so only one place holds the value
+    assert cfg.training.seed is None
+    assert cfg.training.deterministic is None
+
+
+def test_training_seed_alias_from_toml(tmp_path):
+    p = _write(tmp_path, "[training]\nseed = 11\ndeterministic = true\n")
+    cfg = parse_args(["--job.config_file", str(p)])
+    assert cfg.debug.seed == 11
+    assert cfg.debug.deterministic is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["--training.seed", "5", "--debug.seed", "6"], "seed"),
+        (["--training.deterministic", "false", "--debug.deterministic", "true"], "deterministic"),
+    ],
+)
+def test_conflicting_alias_and_debug_values(argv, key):
+    msg = _config_error(argv)
+    assert f"training.{key}" in msg and f"debug.{key}" in msg
+
+
+def test_conflicting_seed_between_toml_and_cli(tmp_path):
+    p = _write(tmp_path, "[debug]\nseed = 1\n")
+    msg = _config_error(["--job.config_file", str(p), "--training.seed", "2"])
+    assert "training.seed" in msg and "debug.seed" in msg
+
+
+# --------------------------------------------------------------------------- unknown names
+
+
+def test_unknown_section_cli():
+    msg = _config_error(["--trainig.steps", "3"])
+    assert "trainig" in msg and "did you mean 'training'" in msg
+
+
+def test_unknown_section_without_close_match_lists_known_sections():
+    msg = _config_error(["--zzzz.steps", "3"])
+    assert "zzzz" in msg and "training" in msg
+
+
+def test_unknown_key_cli_with_did_you_mean():
+    msg = _config_error(["--training.stepz", "3"])
+    assert "training.stepz" in msg
+    assert "did you mean 'training.steps'" in msg
+
+
+def test_unknown_key_cli_equals_form():
+    msg = _config_error(["--optimizer.lrr=0.1"])
+    assert "optimizer.lrr" in msg and "optimizer.lr" in msg
+
+
+def test_unknown_key_without_close_match():
+    msg = _config_error(["--training.qqqqqqqq", "3"])
+    assert "training.qqqqqqqq" in msg
+
+
+def test_unknown_section_toml(tmp_path):
+    msg, _ = _toml_error(tmp_path, "[trainig]\nsteps = 3\n")
+    assert "trainig" in msg and "training" in msg
+
+
+def test_unknown_key_toml(tmp_path):
+    msg, _ = _toml_error(tmp_path, "[training]\nstepz = 3\n")
+    assert "training.stepz" in msg and "did you mean 'training.steps'" in msg
+
+
+def test_top_level_key_outside_a_section_toml(tmp_path):
+    msg, _ = _toml_error(tmp_path, "steps = 3\n")
+    assert "steps" in msg
+
+
+def test_nested_table_toml(tmp_path):
+    msg, _ = _toml_error(tmp_path, "[training.sub]\nx = 1\n")
+    assert "training.sub" in msg
+
+
+def test_override_without_section():
+    msg = _config_error(["--steps", "3"])
+    assert "--steps" in msg
+
+
+def test_positional_argument_is_an_error():
+    msg = _config_error(["steps"])
+    assert "steps" in msg
+
+
+# --------------------------------------------------------------------------- wrong types
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["--training.steps", "three"], "training.steps"),
+        (["--training.steps", "3.5"], "training.steps"),
+        (["--training.steps"], "training.steps"),  # a bare flag is only for booleans
+        (["--optimizer.lr", "fast"], "optimizer.lr"),
+        (["--metrics.enable_tensorboard", "maybe"], "metrics.enable_tensorboard"),
+        (["--job.print_config", "2"], "job.print_config"),
+        (["--debug.seed", "abc"], "debug.seed"),
+        (["--lr_scheduler.decay_ratio", "half"], "lr_scheduler.decay_ratio"),
+        (["--checkpoint.exclude_from_loading", "[1, 2]"], "checkpoint.exclude_from_loading"),
+        (["--checkpoint.exclude_from_loading", "[unterminated"], "checkpoint.exclude_from_loading"),
+        (["--training.deterministic", "sometimes"], "training.deterministic"),
+    ],
+)
+def test_wrong_type_cli(argv, key):
+    msg = _config_error(argv)
+    assert key in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[training]\nsteps = "3"\n', "training.steps"),
+        ("[training]\nsteps = 3.0\n", "training.steps"),
+        ("[training]\nsteps = true\n", "training.steps"),  # bool is not an int
+        ('[optimizer]\nlr = "1e-3"\n', "optimizer.lr"),
+        ("[optimizer]\nlr = true\n", "optimizer.lr"),
+        ("[metrics]\nenable_tensorboard = 1\n", "metrics.enable_tensorboard"),  # int is not a bool
+        ("[metrics]\nenable_tensorboard = 0\n", "metrics.enable_tensorboard"),
+        ('[metrics]\nenable_tensorboard = "true"\n', "metrics.enable_tensorboard"),
+        ("[job]\ndescription = 5\n", "job.description"),
+        ("[job]\ndescription = [\"a\"]\n", "job.description"),
+        ('[checkpoint]\nexclude_from_loading = "optimizer"\n', "checkpoint.exclude_from_loading"),
+        ("[checkpoint]\nexclude_from_loading = [1]\n", "checkpoint.exclude_from_loading"),
+        ('[debug]\nseed = "x"\n', "debug.seed"),
+        ('[lr_scheduler]\ndecay_ratio = "half"\n', "lr_scheduler.decay_ratio"),
+        ('[model]\nhf_assets_path = 3\n', "model.tokenizer_path"),  # alias: names the real key
+        ('[job]\ndescription = """multi\nline"""\nprint_config = "multi\\nline"\n', "job.print_config"),
+    ],
+)
+def test_wrong_type_toml(tmp_path, text, key):
+    msg, _ = _toml_error(tmp_path, text)
+    assert key in msg
+
+
+def test_int_is_accepted_for_float_in_toml(tmp_path):
+    p = _write(tmp_path, "[optimizer]\nlr = 1\n[lr_scheduler]\ndecay_ratio = 1\n")
+    cfg = parse_args(["--job.config_file", str(p)])
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.lr_scheduler.decay_ratio == 1.0 and isinstance(cfg.lr_scheduler.decay_ratio, float)
+
+
+def test_invalid_toml_syntax(tmp_path):
+    msg, _ = _toml_error(tmp_path, "[training\nsteps = = 3\n")
+    assert "invalid TOML" in msg
+
+
+def test_invalid_toml_syntax_second_line(tmp_path):
+    msg, _ = _toml_error(tmp_path, "[training]\nsteps 3\n")
+    assert "invalid TOML" in msg
+
+
+def test_toml_not_utf8(tmp_path):
+    p = tmp_path / "bin.toml"
+    p.write_bytes(b"[job]\ndescription = \"\xff\xfe\"\n")
+    msg = _config_error(["--job.config_file", str(p)])
+    assert str(p) in msg
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    msg = _config_error(["--job.config_file", str(missing)])
+    assert "job.config_file" in msg and str(missing) in msg
+
+
+def test_config_file_is_a_directory(tmp_path):
+    msg = _config_error(["--job.config_file", str(tmp_path)])
+    assert "job.config_file" in msg and str(tmp_path) in msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# --------------------------------------------------------------------------- value checks (validate.py)
+
+# (argv, the key the message must name). Together these cover every _err / _one_of / _positive / _not_yet
+# call in validate.py (test_every_validate_check_is_covered enforces that for the literal keys).
+INVALID_VALUES = [
+    # model
+    (["--model.name", "gpt9"], "model.name"),
+    (["--model.flavor", "13T"], "model.flavor"),
+    # optimizer
+    (["--optimizer.name", "SGD"], "optimizer.name"),
+    (["--optimizer.name", "adamw"], "optimizer.name"),
+    (["--optimizer.implementation", "triton"], "optimizer.implementation"),
+    (["--optimizer.lr", "0"], "optimizer.lr"),
+    (["--optimizer.lr", "-1e-3"], "optimizer.lr"),
+    (["--optimizer.eps", "0"], "optimizer.eps"),
+    (["--optimizer.beta1", "1.0"], "optimizer.beta1"),
+    (["--optimizer.beta1", "-0.1"], "optimizer.beta1"),
+    (["--optimizer.beta2", "1.5"], "optimizer.beta2"),
+    (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay"),
+    # lr scheduler
+    (["--lr_scheduler.decay_type", "exponential"], "lr_scheduler.decay_type"),
+    (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps"),
+    (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
+    (["--lr_scheduler.decay_ratio", "-0.1"], "lr_scheduler.decay_ratio"),
+    (["--lr_scheduler.min_lr_factor", "1.1"], "lr_scheduler.min_lr_factor"),
+    (["--lr_scheduler.min_lr_factor", "-0.5"], "lr_scheduler.min_lr_factor"),
+    # training
+    (["--training.local_batch_size", "0"], "training.local_batch_size"),
+    (["--training.seq_len", "0"], "training.seq_len"),
+    (["--training.steps", "0"], "training.steps"),
+    (["--training.steps", "-5"], "training.steps"),
+    (["--training.gc_freq", "0"], "training.gc_freq"),
+    (["--training.global_batch_size", "0"], "training.global_batch_size"),
+    (["--training.global_batch_size", "-2"], "training.global_batch_size"),
+    (["--training.mixed_precision_param", "float16"], "training.mixed_precision_param"),
+    (["--training.mixed_precision_reduce", "fp8"], "training.mixed_precision_reduce"),
+    # parallelism
+    (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward"),
+    (["--parallelism.context_parallel_rotate_method", "ring"], "parallelism.context_parallel_rotate_method"),
+    (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree"),
+    (["--parallelism.data_parallel_shard_degree", "-2"], "parallelism.data_parallel_shard_degree"),
+    (["--parallelism.data_parallel_replicate_degree", "0"], "parallelism.data_parallel_replicate_degree"),
+    (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree"),
+    (["--parallelism.pipeline_parallel_degree", "0"], "parallelism.pipeline_parallel_degree"),
+    (["--parallelism.context_parallel_degree", "-1"], "parallelism.context_parallel_degree"),
+    (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
+    (["--parallelism.expert_tensor_parallel_degree", "0"], "parallelism.expert_tensor_parallel_degree"),
+    # activation checkpoint choice
+    (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode"),
+    # metrics / comm
+    (["--metrics.log_freq", "0"], "metrics.log_freq"),
+    (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds"),
+    (["--comm.train_timeout_seconds", "-1"], "comm.train_timeout_seconds"),
+]
+
+NOT_AVAILABLE = [
+    (["--training.dataset_path", "/data/c4"], "training.dataset_path"),
+    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
+    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
+    (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
+    (["--parallelism.expert_tensor_parallel_degree", "2"], "parallelism.expert_tensor_parallel_degree"),
+    (["--parallelism.enable_async_tensor_parallel"], "parallelism.enable_async_tensor_parallel"),
+    (["--model.converters", "float8"], "model.converters"),
+    (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
+    (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
+    (["--checkpoint.enable"], "checkpoint.enable"),
+    (["--checkpoint.create_seed_checkpoint"], "checkpoint.create_seed_checkpoint"),
+    (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode"),
+    (["--activation_checkpoint.mode", "full"], "activation_checkpoint.mode"),
+    (["--compile.enable"], "compile.enable"),
+    (["--validation.enable"], "validation.enable"),
+    (["--profiling.enable_profiling"], "profiling.enable_profiling"),
+    (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),
+    (["--memory_estimation.enable"], "memory_estimation.enable"),
+]
+
+
+@pytest.mark.parametrize(("argv", "key"), INVALID_VALUES, ids=[" ".join(a) for a, _ in INVALID_VALUES])
+def test_invalid_value(argv, key):
+    msg = _config_error(argv)
+    assert key in msg
+    assert "not available yet" not in msg
+
+
+@pytest.mark.parametrize(("argv", "key"), NOT_AVAILABLE, ids=[" ".join(a) for a, _ in NOT_AVAILABLE])
+def test_not_available_yet(argv, key):
+    msg = _config_error(argv)
+    assert key in msg
+    assert "not available yet" in msg
+
+
+@pytest.mark.parametrize(("argv", "key"), INVALID_VALUES[:6] + NOT_AVAILABLE[:3])
+def test_invalid_value_from_toml_is_checked_too(tmp_path, argv, key):
+    section, name = argv[0][2:].split(".")
+    value = argv[1] if len(argv) > 1 else "true"
+    tp = typing.get_type_hints(section_classes()[section])[name]
+    literal = f'"{value}"' if tp is str else value
+    p = _write(tmp_path, f"[{section}]\n{name} = {literal}\n")
+    msg = _config_error(["--job.config_file", str(p)])
+    assert key in msg
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--optimizer.name", "Adam"],
+        ["--optimizer.implementation", "foreach"],
+        ["--optimizer.implementation", "for-loop"],
+        ["--optimizer.beta1", "0"],
+        ["--optimizer.weight_decay", "0"],
+        ["--lr_scheduler.decay_type", "sqrt"],
+        ["--lr_scheduler.decay_type", "cosine"],
+        ["--lr_scheduler.warmup_steps", "0"],
+        ["--lr_scheduler.decay_ratio", "0"],
+        ["--lr_scheduler.decay_ratio", "1"],
+        ["--lr_scheduler.min_lr_factor", "1"],
+        ["--training.global_batch_size", "64"],
+        ["--training.mixed_precision_param", "float32"],
+        ["--training.mixed_precision_reduce", "bfloat16"],
+        ["--parallelism.fsdp_reshard_after_forward", "never"],
+        ["--parallelism.fsdp_reshard_after_forward", "always"],
+        ["--parallelism.context_parallel_rotate_method", "alltoall"],
+        ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.data_parallel_replicate_degree", "2"],
+        ["--activation_checkpoint.mode", "none"],
+        ["--model.flavor", "8B"],
+        ["--training.max_norm", "0"],
+        ["--compile.components", "model"],
+    ],
+)
+def test_boundary_values_are_accepted(argv):
+    parse_args(argv)
+
+
+def _checked_keys_in_validate() -> set[str]:
+    """Keys named by literal first arguments of the check helpers in validate.py."""
+    tree = ast.parse(Path(validate.__file__).read_text())
+    keys: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        if node.func.id not in ("_err", "_one_of", "_positive", "_not_yet") or not node.args:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            text = arg.value
+        elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+            text = arg.values[0].value
+        else:
+            continue  # key held in a variable (loops below are covered explicitly)
+        key = text.split(":")[0].split("=")[0].strip()
+        if "." in key and not key.endswith("."):
+            keys.add(key)
+    return keys
+
+
+def test_every_validate_check_is_covered():
+    covered = {key for _, key in INVALID_VALUES + NOT_AVAILABLE}
+    covered |= {"training.seed", "training.deterministic"}  # alias conflicts, tested above
+    found = _checked_keys_in_validate()
+    assert len(found) > 30, found  # the scan itself works
+    missing = found - covered
+    assert not missing, f"validate.py checks without a test: {sorted(missing)}"
+
+
+def test_check_values_runs_on_every_field_type_without_mutating_valid_config():
+    cfg = parse_args([])
+    before = to_dict(cfg)
+    validate.check_values(cfg)
+    assert to_dict(cfg) == before
+
+
+# --------------------------------------------------------------------------- --help and docstrings
+
+
+def test_every_field_has_a_docstring():
+    for section, cls in section_classes().items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name, "").strip(), f"{section}.{f.name} has no docstring in job_config.py"
+
+
+def test_every_section_is_a_dataclass_with_defaults():
+    for section, cls in section_classes().items():
+        assert dataclasses.is_dataclass(cls), section
+        cls()  # every field has a default
+
+
+def test_help_exits_zero_and_lists_every_field_with_its_docstring(capsys):
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--training.steps", "3", flag])
+        assert info.value.code in (0, None)
+        out = capsys.readouterr().out
+        assert out.strip() == help_text().strip()
+    text = help_text()
+    for section, cls in section_classes().items():
+        assert f"[{section}]" in text
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert f"--{section}.{f.name} " in text, f"--help does not list {section}.{f.name}"
+            doc = docs.get(f.name, "")
+            assert doc and doc in text, f"--help does not show the docstring of {section}.{f.name}"
+
+
+def test_help_shows_defaults():
+    text = help_text()
+    assert "--training.steps (int, default 10000)" in text
+    assert '--model.name (str, default "llama3")' in text
+
+
+def test_help_even_with_invalid_other_arguments(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--training.stepz", "3", "--help"])
+    assert info.value.code in (0, None)
+    assert "--training.steps" in capsys.readouterr().out
+
+
+def test_field_docs_normalises_whitespace():
+    @dataclasses.dataclass
+    class Demo:
+        a: int = 1
+        """first
+           line"""
+        b: int = 2
+        c: int = 3
+        """third"""
+
+    docs = field_docs(Demo)
+    assert docs == {"a": "first line", "c": "third"}
+
+
+# --------------------------------------------------------------------------- shipped TOML files
+
+
+def test_train_configs_exist():
+    assert TRAIN_CONFIGS, "no train_configs/*.toml found"
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=[p.name for p in TRAIN_CONFIGS])
+def test_train_config_parses(path):
+    cfg = parse_args(["--job.config_file", str(path)])
+    assert cfg.job.config_file == str(path)
+    assert cfg.training.steps > 0
+
+
+def test_debug_model_toml_values():
+    cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")])
+    assert cfg.model.flavor == "debugmodel"
+    assert cfg.debug.seed == 42
+    assert cfg.training.local_batch_size == 4
+    assert cfg.training.seq_len == 256
+
+
+# --------------------------------------------------------------------------- the entry point, in a subprocess
+
+
+def _run_train(args: list[str], tmp_path: Path, code: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torchtitan.train", *args] if code is None else [sys.executable, "-c", code, *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    return proc, time.monotonic() - t0
+
+
+def _assert_one_config_error_line(proc: subprocess.CompletedProcess, elapsed: float, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error:"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert elapsed < 20, f"took {elapsed:.1f}s"
+
+
+def test_train_entry_point_unknown_key_exits_2(tmp_path):
+    proc, elapsed = _run_train(["--training.stepz", "3"], tmp_path)
+    _assert_one_config_error_line(proc, elapsed, "training.stepz")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_train_entry_point_missing_toml_exits_2(tmp_path):
+    missing = tmp_path / "missing.toml"
+    proc, elapsed = _run_train(["--job.config_file", str(missing)], tmp_path)
+    _assert_one_config_error_line(proc, elapsed, str(missing))
+
+
+def test_train_entry_point_bad_toml_creates_no_process_group(tmp_path):
+    # Run the module as `python -m` does (runpy, as __main__) with init_process_group replaced by a tripwire.
+    code = (
+        "import os, runpy, sys\n"
+        "import torch.distributed as dist\n"
+        "def _tripwire(*a, **k):\n"
+        "    sys.stderr.write('init_process_group called\\n'); os._exit(99)\n"
+        "dist.init_process_group = _tripwire\n"
+        "dist.distributed_c10d.init_process_group = _tripwire\n"
+        "runpy.run_module('torchtitan.train', run_name='__main__', alter_sys=True)\n"
+    )
+    p = _write(tmp_path, "[training]\nstepz = 3\n")
+    proc, elapsed = _run_train(["--job.config_file", str(p)], tmp_path, code=code)
+    _assert_one_config_error_line(proc, elapsed, str(p), "training.stepz")
+    assert "init_process_group" not in proc.stderr

@@ -1,0 +1,270 @@
+"""The job configuration: one dataclass per TOML section, a one-line docstring under every field.
+
+The docstrings are the `--help` text and the source of docs/configuration.md. Key names follow torchtitan
+v0.2.2's TOML schema wherever the concept is the same, so existing TOML files run unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file whose values override the defaults (command-line overrides win over it)"""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: resolved config, metrics.jsonl, TensorBoard, checkpoints"""
+    description: str = "torchtitan job"
+    """Free-text description, printed at start"""
+    print_config: bool = True
+    """Print the resolved config at start (rank 0)"""
+    save_config_file: str = "job_config.json"
+    """File name, inside dump_folder, where the resolved config is saved ("" = do not save)"""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Architecture, a key of the model registry (torchtitan/models)"""
+    flavor: str = "debugmodel"
+    """Size preset of the architecture, e.g. debugmodel, 1B, 8B, 70B, 405B"""
+    tokenizer_path: str = ""
+    """tokenizer.json file or a folder holding one ("" = the default BPE trained on the embedded corpus)"""
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied after building, e.g. ["float8"] (not available yet)"""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer: AdamW or Adam"""
+    lr: float = 8e-4
+    """Peak learning rate"""
+    beta1: float = 0.9
+    """Adam beta1"""
+    beta2: float = 0.95
+    """Adam beta2"""
+    eps: float = 1e-8
+    """Adam epsilon"""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW); applied to every parameter"""
+    implementation: str = "fused"
+    """fused | foreach | for-loop (fused falls back to foreach where the device has no fused kernel)"""
+    early_step_in_backward: bool = False
+    """Step each parameter during backward to save gradient memory (not available yet)"""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to optimizer.lr"""
+    decay_ratio: float | None = None
+    """Fraction of steps spent decaying at the end (None = decay over all steps after warmup; set = WSD)"""
+    decay_type: str = "linear"
+    """Shape of the decay: linear | sqrt | cosine"""
+    min_lr_factor: float = 0.0
+    """The LR decays to min_lr_factor * optimizer.lr"""
+
+
+@dataclass
+class Training:
+    dataset: str = "python_stdlib"
+    """Dataset name from the registry (python_stdlib = the embedded default corpus)"""
+    dataset_path: str = ""
+    """Local path or hub name for the dataset (data pipeline issue; empty = use the registry entry)"""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank"""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks (-1 = local_batch_size x DP degree; larger = accumulation)"""
+    seq_len: int = 2048
+    """Tokens per training sequence"""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value (<= 0 disables clipping, the norm is still logged)"""
+    steps: int = 10000
+    """Number of optimizer steps to train"""
+    enable_cpu_offload: bool = False
+    """Offload parameters, gradients and optimizer state to CPU (not available yet)"""
+    mixed_precision_param: str = "bfloat16"
+    """Dtype of parameters during forward/backward under FSDP: bfloat16 | float32 (CPU always float32)"""
+    mixed_precision_reduce: str = "float32"
+    """Dtype of the gradient reduce-scatter / all-reduce: float32 | bfloat16"""
+    gc_freq: int = 50
+    """Run Python's garbage collector every gc_freq steps (automatic collection is disabled during training)"""
+    seed: int | None = None
+    """Alias of debug.seed (torchtitan moved it between sections; both spellings are accepted)"""
+    deterministic: bool | None = None
+    """Alias of debug.deterministic"""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas in data parallel (DDP when dp_shard is 1, HSDP when both are > 1)"""
+    data_parallel_shard_degree: int = -1
+    """Ranks that shard parameters with FSDP2 (-1 = all ranks left over by the other dimensions)"""
+    fsdp_reshard_after_forward: str = "default"
+    """default | always | never: free gathered parameters after forward (default: yes, except the last block)"""
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (not available yet)"""
+    disable_loss_parallel: bool = False
+    """Gather vocab-sharded logits before the loss instead of loss parallel (with tensor parallel)"""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (needs compile; not available yet)"""
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel degree (not available yet)"""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule name"""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch"""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per pipeline stage (None = split evenly)"""
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Explicit module names for each pipeline model part"""
+    context_parallel_degree: int = 1
+    """Context-parallel degree (not available yet)"""
+    context_parallel_rotate_method: str = "allgather"
+    """allgather | alltoall: how context-parallel attention exchanges K/V"""
+    expert_parallel_degree: int = 1
+    """Expert-parallel degree for MoE models (not available yet)"""
+    expert_tensor_parallel_degree: int = 1
+    """Tensor-parallel degree inside experts (not available yet)"""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and resume checkpoints (not available yet)"""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside job.dump_folder"""
+    interval: int = 500
+    """Save every this many steps"""
+    async_mode: str = "disabled"
+    """disabled | async | async_with_pinned_mem"""
+    keep_latest_k: int = 10
+    """Keep only the newest k checkpoints (0 = keep all)"""
+    load_step: int = -1
+    """Step to resume from (-1 = newest complete checkpoint)"""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State keys not restored on resume, e.g. ["optimizer", "dataloader"]"""
+    last_save_model_only: bool = True
+    """The final save holds only model weights"""
+    export_dtype: str = "float32"
+    """Dtype of model-only exports: float32 | bfloat16"""
+    initial_load_path: str = ""
+    """Checkpoint to initialise from when the run has none of its own"""
+    initial_load_model_only: bool = True
+    """Load only model weights from initial_load_path"""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face safetensors folder"""
+    last_save_in_hf: bool = False
+    """Write the final model-only save in Hugging Face format"""
+    create_seed_checkpoint: bool = False
+    """Write an initial checkpoint on one process and exit"""
+    enable_first_step_checkpoint: bool = False
+    """Also save right after step 1"""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """none | selective | full (not available yet beyond none)"""
+    selective_ac_option: str = "2"
+    """Selective AC: "op" or N = checkpoint every Nth block"""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile the components below (not available yet)"""
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: model, loss"""
+    backend: str = "inductor"
+    """torch.compile backend"""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and at step 1 and the last step)"""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files"""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder inside job.dump_folder"""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (WANDB_MODE=offline works without network)"""
+    save_for_all_ranks: bool = False
+    """Every rank writes its own metrics files (default: rank 0 only)"""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Process-group timeout until the first training step ends (covers initialisation)"""
+    train_timeout_seconds: int = 100
+    """Process-group timeout after the first step: a hung collective fails after this long"""
+    trace_buf_size: int = 20000
+    """Flight-recorder buffer entries for NCCL (0 = off)"""
+
+
+@dataclass
+class Debug:
+    seed: int | None = None
+    """Random seed for initialisation (None = 0; the same on every rank so every layout starts equal)"""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower) so a rerun is bitwise identical"""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Periodic validation loss (data pipeline issue; not available yet)"""
+    dataset: str = "python_stdlib"
+    """Validation dataset name"""
+    freq: int = 10
+    """Validate every this many steps"""
+    steps: int = -1
+    """Validation batches per evaluation (-1 = the whole dataset)"""
+    local_batch_size: int = 8
+    """Validation sequences per micro-batch on each data-parallel rank"""
+    seq_len: int = 2048
+    """Validation tokens per sequence"""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (not available yet)"""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder inside job.dump_folder"""
+    profile_freq: int = 10
+    """Profile every this many steps"""
+    enable_memory_snapshot: bool = False
+    """Record CUDA memory snapshots"""
+
+
+@dataclass
+class MemoryEstimation:
+    enable: bool = False
+    """Estimate memory instead of training (use scripts/estimate_memory.py; not available yet)"""
+    disable_fake_mode: bool = False
+    """Estimate with real tensors instead of fake ones"""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

@@ -1,0 +1,221 @@
+"""TOML + command line -> one validated JobConfig, before any process group exists.
+
+Precedence: dataclass defaults < TOML file (`--job.config_file`) < `--section.key value` overrides.
+Every problem is a `ConfigError` whose message is one line naming the key (and the file).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from torchtitan.config.job_config import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line that names the key and, if any, the file."""
+
+
+# Old spellings users' TOML files contain -> where the value lives now.
+ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("model", "hf_assets_path"): ("model", "tokenizer_path"),
+}
+
+
+def section_classes() -> dict[str, type]:
+    """Section name -> its dataclass, in declaration order."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it (the string literal after the annotated assignment)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, from_cli: bool) -> Any:
+    """Check (TOML) or convert (CLI string) `value` to the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, inner[0], key, from_cli)
+    if origin is list:
+        if from_cli and isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except tomllib.TOMLDecodeError as e:
+                    raise ConfigError(f"{key}: cannot parse list {value!r}: {e}") from None
+            else:
+                value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", from_cli) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
+
+
+def _resolve_key(section: str, key: str, where: str) -> tuple[str, str, Any]:
+    """(section, key) -> (section, key, annotated type), following aliases; unknown names are errors."""
+    section, key = ALIASES.get((section, key), (section, key))
+    sections = section_classes()
+    if section not in sections:
+        hint = difflib.get_close_matches(section, list(sections), n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else f" (known: {', '.join(sections)})"
+        raise ConfigError(f"{where}unknown config section '{section}'{extra}")
+    hints = typing.get_type_hints(sections[section])
+    if key not in hints:
+        hint = difflib.get_close_matches(key, list(hints), n=1)
+        extra = f" (did you mean '{section}.{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"{where}unknown config key '{section}.{key}'{extra}")
+    return section, key, hints[key]
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """['--a.b', 'v', '--c.d=w', '--flag'] -> [('a.b','v'), ('c.d','w'), ('flag','true')]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected command-line argument {arg!r}: overrides look like --section.key value")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 2
+        else:
+            value = "true"  # a bare flag switches a boolean on
+            i += 1
+        pairs.append((name, value))
+    return pairs
+
+
+def _set(cfg: JobConfig, section: str, key: str, value: Any) -> None:
+    setattr(getattr(cfg, section), key, value)
+
+
+def load_toml(path: str, cfg: JobConfig) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"job.config_file: file not found: {path}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
+        for key, value in values.items():
+            sec, k, tp = _resolve_key(section, key, f"{path}: ")
+            _set(cfg, sec, k, _coerce(value, tp, f"{path}: {sec}.{k}", from_cli=False))
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from defaults, the TOML file and command-line overrides, then check values."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        raise SystemExit(0)
+    pairs = _split_cli(argv)
+    cfg = JobConfig()
+    overrides = []
+    for name, value in pairs:
+        if "." not in name:
+            raise ConfigError(f"--{name}: overrides are --section.key value (see --help)")
+        section, key = name.split(".", 1)
+        sec, k, tp = _resolve_key(section, key, f"--{name}: ")
+        overrides.append((sec, k, _coerce(value, tp, f"--{sec}.{k}", from_cli=True)))
+    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), "")
+    if config_file:
+        load_toml(config_file, cfg)
+    for sec, k, v in overrides:
+        _set(cfg, sec, k, v)
+    from torchtitan.config.validate import check_values
+
+    check_values(cfg)
+    return cfg
+
+
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_json(cfg: JobConfig) -> str:
+    return json.dumps(to_dict(cfg), indent=2)
+
+
+def help_text() -> str:
+    lines = [
+        "usage: run_train.sh [--section.key value ...]",
+        "",
+        "Defaults < TOML file (--job.config_file) < command-line overrides. Sections and keys:",
+    ]
+    for section, cls in section_classes().items():
+        docs = field_docs(cls)
+        lines.append(f"\n[{section}]")
+        defaults = cls()
+        for sub in dataclasses.fields(cls):
+            tp = _type_name(typing.get_type_hints(cls)[sub.name])
+            default = json.dumps(getattr(defaults, sub.name))
+            lines.append(f"  --{section}.{sub.name} ({tp}, default {default})")
+            lines.append(f"      {docs.get(sub.name, '')}")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""Value checks on a parsed JobConfig; each failure is one line naming the key.
+
+Checks that need the world size (degrees that must divide it) live in ParallelDims, which also runs before
+the process group is created.
+"""
+
+from __future__ import annotations
+
+from torchtitan.config.job_config import JobConfig
+
+
+def _err(msg: str) -> None:
+    from torchtitan.config.manager import ConfigError
+
+    raise ConfigError(msg)
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _err(f"{key}: '{value}' is not one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        _err(f"{key}: must be > 0, got {value}")
+
+
+def _not_yet(key: str, what: str) -> None:
+    _err(f"{key}: {what} is not available yet in this version of torchtitan")
+
+
+def check_values(cfg: JobConfig) -> None:
+    _check_aliases(cfg)
+    _check_model(cfg)
+    _check_optimizer(cfg)
+    _check_training(cfg)
+    _check_parallelism(cfg)
+    _check_unavailable(cfg)
+    _positive("metrics.log_freq", cfg.metrics.log_freq)
+    _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+    _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+
+
+def _check_aliases(cfg: JobConfig) -> None:
+    # v0.2.2 keeps seed/deterministic under [debug]; later files put them under [training]. Accept both.
+    for name in ("seed", "deterministic"):
+        alias = getattr(cfg.training, name)
+        if alias is None:
+            continue
+        current = getattr(cfg.debug, name)
+        default = None if name == "seed" else False
+        if current != default and current != alias:
+            _err(f"training.{name}={alias} conflicts with debug.{name}={current}: set only one")
+        setattr(cfg.debug, name, alias)
+        setattr(cfg.training, name, None)
+
+
+def _check_model(cfg: JobConfig) -> None:
+    from torchtitan.models.registry import get_model_spec
+
+    try:
+        spec = get_model_spec(cfg.model.name)
+    except KeyError as e:
+        _err(str(e.args[0]))
+    if cfg.model.flavor not in spec.flavors:
+        _err(f"model.flavor: unknown flavor '{cfg.model.flavor}' of {spec.name}; known: {', '.join(spec.flavors)}")
+
+
+def _check_optimizer(cfg: JobConfig) -> None:
+    o = cfg.optimizer
+    _one_of("optimizer.name", o.name, ("AdamW", "Adam"))
+    _one_of("optimizer.implementation", o.implementation, ("fused", "foreach", "for-loop"))
+    _positive("optimizer.lr", o.lr)
+    _positive("optimizer.eps", o.eps)
+    for key, beta in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+        if not 0.0 <= beta < 1.0:
+            _err(f"{key}: must be in [0, 1), got {beta}")
+    if o.weight_decay < 0:
+        _err(f"optimizer.weight_decay: must be >= 0, got {o.weight_decay}")
+    s = cfg.lr_scheduler
+    _one_of("lr_scheduler.decay_type", s.decay_type, ("linear", "sqrt", "cosine"))
+    if s.warmup_steps < 0:
+        _err(f"lr_scheduler.warmup_steps: must be >= 0, got {s.warmup_steps}")
+    if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
+        _err(f"lr_scheduler.decay_ratio: must be in [0, 1], got {s.decay_ratio}")
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        _err(f"lr_scheduler.min_lr_factor: must be in [0, 1], got {s.min_lr_factor}")
+
+
+def _check_training(cfg: JobConfig) -> None:
+    t = cfg.training
+    _positive("training.local_batch_size", t.local_batch_size)
+    _positive("training.seq_len", t.seq_len)
+    _positive("training.steps", t.steps)
+    _positive("training.gc_freq", t.gc_freq)
+    if t.global_batch_size != -1 and t.global_batch_size <= 0:
+        _err(f"training.global_batch_size: must be -1 or > 0, got {t.global_batch_size}")
+    _one_of("training.mixed_precision_param", t.mixed_precision_param, ("bfloat16", "float32"))
+    _one_of("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
+    if t.dataset_path:
+        _not_yet("training.dataset_path", "loading local or hub datasets")
+
+
+def _check_parallelism(cfg: JobConfig) -> None:
+    p = cfg.parallelism
+    _one_of("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ("default", "always", "never"))
+    _one_of("parallelism.context_parallel_rotate_method", p.context_parallel_rotate_method, ("allgather", "alltoall"))
+    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
+        _err(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {p.data_parallel_shard_degree}")
+    for key in (
+        "data_parallel_replicate_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+    ):
+        if getattr(p, key) < 1:
+            _err(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
+    for key, what in (
+        ("tensor_parallel_degree", "tensor parallel"),
+        ("pipeline_parallel_degree", "pipeline parallel"),
+        ("context_parallel_degree", "context parallel"),
+        ("expert_parallel_degree", "expert parallel"),
+        ("expert_tensor_parallel_degree", "expert tensor parallel"),
+    ):
+        if getattr(p, key) > 1:
+            _not_yet(f"parallelism.{key}", what)
+    if p.enable_async_tensor_parallel:
+        _not_yet("parallelism.enable_async_tensor_parallel", "async tensor parallel")
+
+
+def _check_unavailable(cfg: JobConfig) -> None:
+    if cfg.model.converters:
+        _not_yet("model.converters", f"model converters ({', '.join(cfg.model.converters)})")
+    if cfg.optimizer.early_step_in_backward:
+        _not_yet("optimizer.early_step_in_backward", "stepping in backward")
+    if cfg.training.enable_cpu_offload:
+        _not_yet("training.enable_cpu_offload", "CPU offload")
+    if cfg.checkpoint.enable:
+        _not_yet("checkpoint.enable", "checkpointing")
+    if cfg.checkpoint.create_seed_checkpoint:
+        _not_yet("checkpoint.create_seed_checkpoint", "checkpointing")
+    _one_of("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "selective", "full"))
+    if cfg.activation_checkpoint.mode != "none":
+        _not_yet("activation_checkpoint.mode", f"activation checkpointing ('{cfg.activation_checkpoint.mode}')")
+    if cfg.compile.enable:
+        _not_yet("compile.enable", "torch.compile")
+    if cfg.validation.enable:
+        _not_yet("validation.enable", "validation")
+    if cfg.profiling.enable_profiling:
+        _not_yet("profiling.enable_profiling", "profiling")
+    if cfg.profiling.enable_memory_snapshot:
+        _not_yet("profiling.enable_memory_snapshot", "memory snapshots")
+    if cfg.memory_estimation.enable:
+        _not_yet("memory_estimation.enable", "memory estimation")

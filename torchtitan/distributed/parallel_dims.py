@@ -1,0 +1,175 @@
+"""Parallel degrees -> one DeviceMesh with named dimensions, and the derived views each job uses.
+
+Mesh layout, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its ranks are
+neighbours (same node); pp is outermost because it talks least. Expert parallel does not multiply the world:
+it borrows ranks from dp_shard x cp.
+
+Derived views, each for exactly one purpose:
+- "dp"          (dp_replicate x dp_shard): which ranks read different data
+- "dp_shard_cp" (dp_shard x cp): the ranks FSDP shards parameters over
+- "dp_cp"       (dp_replicate x dp_shard x cp): the ranks the loss (token count) is reduced over
+- "dp_replicate": the ranks DDP / HSDP replicate over
+
+All validation happens in `__post_init__`, i.e. before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchtitan.config.job_config import Parallelism, Training
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def _err(msg: str) -> None:
+    from torchtitan.config.manager import ConfigError
+
+    raise ConfigError(msg)
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    """data_parallel_replicate_degree"""
+    dp_shard: int
+    """data_parallel_shard_degree (-1 = leftover ranks, resolved here)"""
+    cp: int
+    """context_parallel_degree"""
+    tp: int
+    """tensor_parallel_degree"""
+    pp: int
+    """pipeline_parallel_degree"""
+    ep: int
+    """expert_parallel_degree (borrowed from dp_shard x cp)"""
+    world_size: int
+    """number of processes in the job"""
+    _world_mesh: object | None = field(default=None, init=False, repr=False)
+    _views: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_config(cls, p: Parallelism, world_size: int) -> ParallelDims:
+        return cls(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+            world_size=world_size,
+        )
+
+    def _validate(self) -> None:
+        names = {
+            "dp_replicate": "parallelism.data_parallel_replicate_degree",
+            "cp": "parallelism.context_parallel_degree",
+            "tp": "parallelism.tensor_parallel_degree",
+            "pp": "parallelism.pipeline_parallel_degree",
+            "ep": "parallelism.expert_parallel_degree",
+        }
+        if self.world_size < 1:
+            _err(f"world size must be >= 1, got {self.world_size}")
+        for attr, key in names.items():
+            if getattr(self, attr) < 1:
+                _err(f"{key}: must be >= 1, got {getattr(self, attr)}")
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        layout = f"dp_replicate={self.dp_replicate} x cp={self.cp} x tp={self.tp} x pp={self.pp}"
+        if self.dp_shard == -1:
+            if self.world_size % others != 0:
+                _err(
+                    f"parallelism: {layout} = {others} does not divide the world size {self.world_size} "
+                    "(data_parallel_shard_degree=-1 takes the leftover ranks)"
+                )
+            self.dp_shard = self.world_size // others
+        elif self.dp_shard < 1:
+            _err(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {self.dp_shard}")
+        if others * self.dp_shard != self.world_size:
+            _err(
+                f"parallelism: {layout} x dp_shard={self.dp_shard} = {others * self.dp_shard} "
+                f"but the world size is {self.world_size}; the degrees must multiply to the number of processes"
+            )
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep != 0:
+            _err(
+                f"parallelism.expert_parallel_degree={self.ep} must divide dp_shard x cp = "
+                f"{self.dp_shard * self.cp} (expert parallel borrows those ranks)"
+            )
+
+    # ---- degrees of the derived views -------------------------------------------------------------
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_degree(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def loss_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication: DDP when nothing shards parameters."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 (or HSDP when dp_replicate > 1) manages parameters; also on one rank, for mixed precision."""
+        return not self.ddp_enabled
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.fsdp_enabled and self.dp_replicate > 1
+
+    # ---- the mesh ---------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str):
+        """Create the world mesh (all five named dims, size-1 ones included) and the flattened views."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(getattr(self, d) for d in MESH_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        # torch asks callers to keep flattened views themselves rather than slice them from the root again.
+        self._views = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        self._world_mesh = mesh
+        return mesh
+
+    @property
+    def world_mesh(self):
+        if self._world_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._world_mesh
+
+    def mesh(self, view: str):
+        """A named view: 'dp', 'dp_shard_cp', 'dp_cp', 'dp_replicate', or a plain mesh dim name."""
+        if view in self._views:
+            return self._views[view]
+        return self.world_mesh[view]
+
+    def fsdp_mesh(self):
+        """1-D (dp_shard_cp) mesh for FSDP, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
+        if self.hsdp_enabled:
+            if self.cp == 1:
+                return self.world_mesh["dp_replicate", "dp_shard"]
+            return self.world_mesh["dp_replicate", "dp_shard_cp"]
+        return self._views["dp_shard_cp"]
+
+
+def resolve_batch(training: Training, dp_degree: int) -> tuple[int, int]:
+    """(global batch in sequences, gradient-accumulation steps) from training.*_batch_size and the DP degree."""
+    per_microstep = training.local_batch_size * dp_degree
+    if training.global_batch_size == -1:
+        return per_microstep, 1
+    if training.global_batch_size % per_microstep != 0:
+        _err(
+            f"training.global_batch_size={training.global_batch_size} must be a multiple of "
+            f"training.local_batch_size x data-parallel degree = {training.local_batch_size} x {dp_degree}"
+        )
+    return training.global_batch_size, training.global_batch_size // per_microstep

@@ -1,0 +1,18 @@
+"""Llama 3 / 3.1 / 3.2 dense decoder."""
+
+from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors
+from torchtitan.models.llama3.model import Transformer, get_nparams_and_flops
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.registry import ModelSpec, register_model_spec
+
+register_model_spec(
+    ModelSpec(
+        name="llama3",
+        flavors=llama3_flavors,
+        model_cls=Transformer,
+        parallelize_fn=parallelize_llama,
+        nparams_and_flops_fn=get_nparams_and_flops,
+    )
+)
+
+__all__ = ["Transformer", "TransformerModelArgs", "llama3_flavors", "parallelize_llama"]

@@ -1,0 +1,53 @@
+"""Model registry: `model.name` -> ModelSpec, so a new architecture is a new folder, not a trainer edit."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn as nn
+
+# Packages under torchtitan.models that register a spec when imported.
+_KNOWN_MODEL_PACKAGES = ("llama3",)
+
+_REGISTRY: dict[str, "ModelSpec"] = {}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the trainer needs to know about one architecture."""
+
+    name: str
+    flavors: dict[str, Any]
+    """flavor name -> model-args dataclass instance"""
+    model_cls: type[nn.Module]
+    parallelize_fn: Callable[..., nn.Module]
+    """(model, parallel_dims, job_config) -> model with TP/AC/compile/FSDP applied"""
+    nparams_and_flops_fn: Callable[[nn.Module, Any, int], tuple[int, int]]
+    """(model, model_args, seq_len) -> (total parameters, training FLOPs per token)"""
+    pipelining_fn: Callable[..., Any] | None = None
+    state_dict_adapter: type | None = None
+
+
+def register_model_spec(spec: ModelSpec) -> None:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"model '{spec.name}' is registered twice")
+    _REGISTRY[spec.name] = spec
+
+
+def _import_known() -> None:
+    for pkg in _KNOWN_MODEL_PACKAGES:
+        importlib.import_module(f"torchtitan.models.{pkg}")
+
+
+def model_names() -> list[str]:
+    _import_known()
+    return sorted(_REGISTRY)
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    _import_known()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown model.name '{name}'; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]

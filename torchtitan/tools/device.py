@@ -1,0 +1,265 @@
+"""Device helpers: which accelerator we run on, its peak FLOPS, and its memory use.
+
+The peak-FLOPS table feeds the MFU metric. A wrong peak silently produces a wrong
+MFU, which is worse than none, so unknown or ambiguous devices yield ``None`` and
+the trainer then simply does not report MFU.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.tools.logging import logger
+
+_GIB = float(1 << 30)
+
+
+def device_type() -> str:
+    """Return "cuda" when a CUDA (or ROCm, which also reports as cuda) GPU is usable, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def distributed_backend() -> str:
+    """NCCL (RCCL on ROCm) for GPUs; gloo is the only portable choice on CPU."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def _cpu_model() -> str:
+    # /proc/cpuinfo has the marketing name on x86; platform.processor() is often
+    # empty on Linux, so it is only a fallback.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() in ("model name", "hardware", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name() -> str:
+    """Human-readable name of the current device; for GPUs it is also the peak_flops() key."""
+    if device_type() == "cuda":
+        return torch.cuda.get_device_name()
+    return _cpu_model()
+
+
+# --------------------------------------------------------------------------- peak FLOPS
+
+
+@dataclass(frozen=True)
+class _Peak:
+    # Dense (no 2:4 sparsity) matmul peaks in FLOP/s, as vendor datasheets give them.
+    half: float  # bf16 / fp16 tensor/matrix cores
+    fp32: float  # fp32 inputs: TF32 tensor cores on NVIDIA, fp32 matrix cores on AMD
+
+
+# Datasheets quote sparse numbers for NVIDIA parts; the dense value is half of that.
+# MI250X: ROCm exposes each of the two dies (GCDs) of a module as its own device, and
+# MFU is computed per device, so the per-GCD half of the 383 / 95.7 TFLOPS module peak
+# is used. Deliberately absent for lack of a trustworthy number: A10G (AWS-specific
+# variant whose tensor peak NVIDIA does not publish), plain "H100" with no form factor.
+_PEAKS: dict[str, _Peak] = {
+    "H100 SXM": _Peak(989.4e12, 494.7e12),
+    "H100 PCIe": _Peak(756.5e12, 378.0e12),
+    # NVL (PCIe card, NVLink bridge): datasheet 1,671 bf16 / 835 tf32 TFLOPS with
+    # sparsity. Less certain than the SXM/PCIe values: not cross-checked with a
+    # second source here; same figures assumed for the H200 NVL.
+    "H100 NVL": _Peak(835.5e12, 417.5e12),
+    # H200 and GH200 use the same GH100 compute as the H100 SXM; only memory differs.
+    "H200": _Peak(989.4e12, 494.7e12),
+    "H200 NVL": _Peak(835.5e12, 417.5e12),
+    "GH200": _Peak(989.4e12, 494.7e12),
+    "A100": _Peak(312e12, 156e12),
+    "L40S": _Peak(362.05e12, 183e12),
+    "L40": _Peak(181.05e12, 90.5e12),
+    "L4": _Peak(121e12, 60e12),
+    # HGX B200 (1000 W): 4.5 PF bf16 / 2.2 PF tf32 with sparsity; the datasheet's
+    # tf32 is slightly under half of bf16, and the datasheet is what we follow.
+    "B200": _Peak(2.25e15, 1.1e15),
+    # GB200 GPU (up to 1200 W): 5 PF bf16 / 2.5 PF tf32 sparse.
+    "GB200": _Peak(2.5e15, 1.25e15),
+    # CDNA3 has no sparsity in these figures; fp32 is the "FP32 matrix" peak.
+    "MI300X": _Peak(1307.4e12, 163.4e12),
+    "MI325X": _Peak(1307.4e12, 163.4e12),
+    "MI250X": _Peak(191.5e12, 47.85e12),
+}
+
+
+def _tokens(name: str) -> set[str]:
+    # Whole-token matching sidesteps substring traps: "GH200" contains "H200",
+    # "A100" contains "A10", "L40S" contains "L4".
+    return {t for t in re.split(r"[^A-Z0-9]+", name.upper()) if t}
+
+
+def _table_key(name: str) -> str | None:
+    tok = _tokens(name)
+    if "H100" in tok:
+        if "NVL" in tok:
+            return "H100 NVL"
+        if "PCIE" in tok:
+            return "H100 PCIe"
+        # The SXM part reports itself as e.g. "NVIDIA H100 80GB HBM3"; some
+        # drivers spell out "H100-SXM5". PCIe cards never mention HBM.
+        if any(t.startswith(("HBM", "SXM")) for t in tok):
+            return "H100 SXM"
+        return None
+    if "H200" in tok:
+        return "H200 NVL" if "NVL" in tok else "H200"
+    for key in (
+        "GH200",
+        "GB200",
+        "B200",
+        "A100",
+        "L40S",
+        "L40",
+        "L4",
+        "MI300X",
+        "MI325X",
+        "MI250X",
+    ):
+        if key in tok:
+            return key
+    return None
+
+
+def peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """Dense peak matmul FLOP/s of one device for ``dtype``, or None when unknown.
+
+    bf16/fp16 give the tensor-core peak; fp32 gives the TF32 (NVIDIA) or fp32-matrix
+    (AMD) peak, which is what fp32 matmuls reach with TF32 enabled. Anything else,
+    an unlisted device, or a CPU gives None so MFU is not reported rather than guessed.
+    """
+    key = _table_key(name)
+    if key is None:
+        return None
+    peak = _PEAKS[key]
+    if dtype in (torch.bfloat16, torch.float16):
+        return peak.half
+    if dtype == torch.float32:
+        return peak.fp32
+    return None
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _read_status_kib(field: str) -> float | None:
+    # /proc/self/status gives VmRSS / VmHWM in kB; absent outside Linux.
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def _ru_maxrss_bytes() -> float:
+    # ru_maxrss is KiB on Linux but bytes on macOS.
+    raw = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return raw if sys.platform == "darwin" else raw * 1024.0
+
+
+def _current_rss_bytes() -> float:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            resident_pages = int(f.read().split()[1])
+        return float(resident_pages * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, IndexError, ValueError):
+        pass
+    try:  # optional; not a dependency of the package
+        import psutil  # type: ignore[import-not-found]
+
+        return float(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    # Last resort: the high-water mark is an upper bound on current RSS.
+    return _ru_maxrss_bytes()
+
+
+class MemoryMonitor:
+    """Peak memory since the last reset_peak(), for the per-step metrics line.
+
+    On CUDA it reads the caching allocator's counters; "active" is what tensors use,
+    "reserved" is what the allocator holds from the driver (the number that OOMs).
+    On CPU it reports the process RSS and its high-water mark.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = "cuda" if device_type == "cuda" else "cpu"
+        if self.device_type == "cuda":
+            self._device = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(self._device)
+            self._capacity_bytes = float(props.total_memory)
+            logger.info("GPU %s: %.2f GiB total memory", props.name, self._capacity_bytes / _GIB)
+        else:
+            self._device = None
+            self._capacity_bytes = self._host_memory_bytes()
+        self.reset_peak()
+
+    @staticmethod
+    def _host_memory_bytes() -> float:
+        try:
+            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            return 0.0
+
+    def capacity_gib(self) -> float:
+        """Total device memory (host RAM on CPU) in GiB."""
+        return self._capacity_bytes / _GIB
+
+    def reset_peak(self) -> None:
+        """Start a new peak-measurement window (typically once per logged step)."""
+        if self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+            return
+        # Writing "5" to clear_refs resets this process's VmHWM (Linux >= 4.0). If that
+        # is not permitted, peaks stay process-lifetime, which is still correct as an
+        # upper bound.
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def snapshot(self) -> dict[str, float]:
+        """Current memory figures; keys differ between cuda and cpu (see module docs)."""
+        if self.device_type == "cuda":
+            return self._cuda_snapshot()
+        return self._cpu_snapshot()
+
+    def _pct(self, nbytes: float) -> float:
+        return 100.0 * nbytes / self._capacity_bytes if self._capacity_bytes > 0 else 0.0
+
+    def _cuda_snapshot(self) -> dict[str, float]:
+        stats = torch.cuda.memory_stats(self._device)
+        active = float(stats.get("active_bytes.all.peak", 0))
+        reserved = float(stats.get("reserved_bytes.all.peak", 0))
+        # Retries mean the allocator had to free its cache and try again: a sign of
+        # fragmentation that costs throughput long before an actual OOM.
+        return {
+            "max_active_gib": active / _GIB,
+            "max_active_pct": self._pct(active),
+            "max_reserved_gib": reserved / _GIB,
+            "max_reserved_pct": self._pct(reserved),
+            "num_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "num_ooms": float(stats.get("num_ooms", 0)),
+        }
+
+    def _cpu_snapshot(self) -> dict[str, float]:
+        rss = _current_rss_bytes()
+        hwm_kib = _read_status_kib("VmHWM")
+        peak = hwm_kib * 1024.0 if hwm_kib is not None else _ru_maxrss_bytes()
+        # RSS can be sampled after the kernel's counter was reset, so keep them consistent.
+        peak = max(peak, rss)
+        return {"rss_gib": rss / _GIB, "max_rss_gib": peak / _GIB}

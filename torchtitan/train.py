@@ -1,0 +1,213 @@
+"""Entry point and Trainer: set up once, then the loop and the step. Nothing else lives here."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import ConfigError, parse_args, to_dict
+from torchtitan.data.dataloader import build_dataloader
+from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+from torchtitan.models.registry import get_model_spec
+from torchtitan.tools import device as device_tools
+from torchtitan.tools.logging import init_logger, logger
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, parallel_dims: ParallelDims, grad_accum_steps: int):
+        self.cfg, self.parallel_dims, self.grad_accum_steps = cfg, parallel_dims, grad_accum_steps
+        self.rank = dist_utils.env_world()[0]
+        self.device = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
+        parallel_dims.build_mesh(self.device.type)
+        self.loss_mesh = parallel_dims.mesh("dp_cp")
+        seed = 0 if cfg.debug.seed is None else cfg.debug.seed
+        dist_utils.set_determinism(seed, cfg.debug.deterministic)
+        self.dump_folder = Path(cfg.job.dump_folder)
+        self._save_config()
+
+        # Tokenizer and data are checked before the model is built: a bad path fails in seconds.
+        spec = get_model_spec(cfg.model.name)
+        model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir())
+        if tokenizer.vocab_size > model_args.vocab_size:
+            raise ConfigError(
+                f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "
+                f"{cfg.model.name}/{cfg.model.flavor} has vocab_size {model_args.vocab_size}"
+            )
+        dp_mesh = parallel_dims.mesh("dp")
+        self.dataloader = build_dataloader(
+            dataset=cfg.training.dataset,
+            tokenizer=tokenizer,
+            seq_len=cfg.training.seq_len,
+            local_batch_size=cfg.training.local_batch_size,
+            dp_rank=dp_mesh.get_local_rank(),
+            dp_degree=dp_mesh.size(),
+        )
+
+        # Build on meta, parallelize, then materialise: no rank ever holds the full unsharded model.
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        self.nparams, self.flops_per_token = spec.nparams_and_flops_fn(model, model_args, cfg.training.seq_len)
+        param_dtype = cfg.training.mixed_precision_param
+        if self.device.type == "cpu" and param_dtype != "float32":
+            logger.info("CPU run: training in float32 (training.mixed_precision_param applies on GPU)")
+            param_dtype = "float32"
+        self.model = spec.parallelize_fn(model, parallel_dims, cfg, param_dtype)
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            self.model.init_weights(buffer_device=self.device, param_init=dist_utils.param_init)
+        self.model.train()
+        # FSDP casts parameters itself; DDP has no mixed-precision policy, so use autocast there.
+        use_autocast = parallel_dims.ddp_enabled and param_dtype == "bfloat16"
+        self.autocast = torch.autocast(self.device.type, torch.bfloat16) if use_autocast else nullcontext()
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.memory = device_tools.MemoryMonitor(self.device.type)
+        dtype = torch.float32 if param_dtype == "float32" else torch.bfloat16
+        self.peak_flops = device_tools.peak_flops(device_tools.device_name(), dtype) \
+            if self.device.type == "cuda" else None
+        self.metrics = MetricsLogger(
+            dump_folder=self.dump_folder,
+            rank=self.rank,
+            total_steps=cfg.training.steps,
+            enable_tensorboard=cfg.metrics.enable_tensorboard,
+            save_tb_folder=cfg.metrics.save_tb_folder,
+            enable_wandb=cfg.metrics.enable_wandb,
+            save_for_all_ranks=cfg.metrics.save_for_all_ranks,
+            run_config=to_dict(cfg),
+        )
+        logger.info(
+            f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
+            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
+            f"(dp_replicate {parallel_dims.dp_replicate}, dp_shard {parallel_dims.dp_shard}), "
+            f"global batch {cfg.training.local_batch_size * parallel_dims.dp_degree * grad_accum_steps} "
+            f"sequences ({grad_accum_steps} accumulation steps), device {self.device}, params {param_dtype}"
+        )
+
+    def _save_config(self) -> None:
+        if self.rank != 0:
+            return
+        text = json.dumps(to_dict(self.cfg), indent=2)
+        if self.cfg.job.print_config:
+            logger.info(f"{self.cfg.job.description}; resolved config:\n{text}")
+        if self.cfg.job.save_config_file:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+            (self.dump_folder / self.cfg.job.save_config_file).write_text(text + "\n")
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Forward/backward every micro-batch, clip, step. Returns (local loss sum, local tokens, global
+        tokens, grad norm)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches).to(self.device)
+        # Every rank divides by the same global count, so summed gradients equal the 1-process gradient.
+        global_tokens = dist_utils.all_reduce(local_tokens, self.loss_mesh, "sum")
+        local_loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self.autocast:
+                logits = self.model(inputs)
+            loss_sum = cross_entropy_sum(logits, labels)
+            del logits
+            (loss_sum / global_tokens).backward()
+            local_loss_sum += loss_sum.detach()
+        grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return local_loss_sum, local_tokens, global_tokens, grad_norm
+
+    def train(self) -> None:
+        cfg = self.cfg.training
+        data_iter = iter(self.dataloader)
+        gc.disable()  # collect on a fixed cadence instead of at random points inside a step
+        gc.collect(1)
+        window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
+        self.memory.reset_peak()
+        for step in range(1, cfg.steps + 1):
+            t = time.perf_counter()
+            microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+            data_wait += time.perf_counter() - t
+            loss_sum, local_tokens, global_tokens, grad_norm = self.train_step(microbatches)
+            window_tokens += int(local_tokens)
+            if step == 1:
+                dist_utils.set_pg_timeout(self.cfg.comm.train_timeout_seconds)
+            if step % cfg.gc_freq == 0:
+                gc.collect(1)
+            if step == 1 or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps:
+                elapsed = time.perf_counter() - window_start
+                self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, window_tokens / elapsed,
+                          100.0 * data_wait / elapsed)
+                window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
+                self.memory.reset_peak()
+        logger.info(f"training finished after {cfg.steps} steps")
+
+    def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float) -> None:
+        loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum") / global_tokens
+        loss_max = dist_utils.all_reduce(loss_sum / local_tokens, self.loss_mesh, "max")
+        tflops = self.flops_per_token * tps / 1e12
+        self.metrics.log(step, {
+            "loss": loss.item(),
+            "loss_max": loss_max.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": self.step_lr,
+            "tps": round(tps, 1),
+            "tflops": round(tflops, 3),
+            "mfu": None if self.peak_flops is None else round(100.0 * tflops * 1e12 / self.peak_flops, 2),
+            "data_wait_pct": round(data_pct, 2),
+            **self.memory.snapshot(),
+        })
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    init_logger()
+    rank, _, world_size = dist_utils.env_world()
+    try:
+        # Everything that can be checked without a process group is checked here, before one exists.
+        cfg = parse_args(argv)
+        parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        trainer = Trainer(cfg, parallel_dims, grad_accum_steps)
+    except (ValueError, FileNotFoundError) as e:
+        # Setup errors (tokenizer, data, vocab) name their key or file: one line, no traceback.
+        print(f"[rank{rank}] error: {e}", file=sys.stderr)
+        dist_utils.record_failure(e)
+        dist_utils.exit_process(2)
+    except BaseException as e:  # noqa: BLE001 - any failure must reach the launcher as a non-zero exit
+        logger.exception(f"rank {rank}: setup failed")
+        dist_utils.record_failure(e)
+        dist_utils.exit_process(1)
+    try:
+        trainer.train()
+        trainer.close()
+    except BaseException as e:  # noqa: BLE001
+        logger.exception(f"rank {rank}: training failed")
+        dist_utils.record_failure(e)
+        dist_utils.exit_process(1)
+    dist_utils.exit_process(0)
+
+
+if __name__ == "__main__":
+    main()
