@@ -20,6 +20,8 @@ class Flavor:
     """processes launched by torchrun"""
     overrides: tuple[str, ...]
     """config overrides on top of the common ones"""
+    reference: str = "single_process"
+    """the 1-process flavor (in REFERENCES) whose losses this one must match"""
 
 
 # The model and schedule shared by every flavor: small enough for seconds per run on 2 cores.
@@ -34,7 +36,12 @@ COMMON = (
     "--job.print_config", "false",
 )
 
-REFERENCE = Flavor("single_process", 1, ("--training.local_batch_size", "8"))
+REFERENCES = {
+    "single_process": Flavor("single_process", 1, ("--training.local_batch_size", "8")),
+    # Tied embedding/output (the 1B/3B layout) lives in FSDP's root unit: check it separately.
+    "single_process_tied": Flavor("single_process_tied", 1, ("--training.local_batch_size", "8",
+                                                             "--model.flavor", "debugmodel_tied")),
+}
 
 FLAVORS = [
     Flavor("grad_accum_1proc", 1, ("--training.local_batch_size", "2")),
@@ -46,4 +53,6 @@ FLAVORS = [
     Flavor("hsdp2x2", 4, ("--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2")),
     Flavor("ddp2", 2, ("--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1")),
+    Flavor("fsdp2_tied", 2, ("--training.local_batch_size", "4", "--model.flavor", "debugmodel_tied"),
+           reference="single_process_tied"),
 ]

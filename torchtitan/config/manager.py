@@ -47,7 +47,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:] + [None]):
+    for node, nxt in zip(body, body[1:] + [None], strict=True):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
@@ -83,8 +83,10 @@ def _coerce(value: Any, tp: Any, key: str, from_cli: bool) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if from_cli and isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
+        words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False}
+        words["off"] = False
+        if from_cli and isinstance(value, str) and value.lower() in words:
+            return words[value.lower()]
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

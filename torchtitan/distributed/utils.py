@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 
 # Packages under torchtitan.models that register a spec when imported.
 _KNOWN_MODEL_PACKAGES = ("llama3",)
 
-_REGISTRY: dict[str, "ModelSpec"] = {}
+_REGISTRY: dict[str, ModelSpec] = {}
 
 
 @dataclass(frozen=True)
