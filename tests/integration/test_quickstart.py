@@ -1,0 +1,71 @@
+"""The README's quick start, the launcher's exit codes and the run's outputs, through run_train.sh."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.launch import REPO, run_train
+
+pytestmark = pytest.mark.slow
+
+
+def test_readme_quick_start_is_the_two_commands():
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Quick start.*?```(?:bash|sh)?\n(.*?)```", text, re.S)
+    assert block, "README.md has no quick-start code block"
+    commands = [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    assert commands == ["./run_train.sh", "./scripts/run_tests.sh"]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "./scripts/run_tests.sh" in ci
+
+
+def test_default_config_trains_and_writes_its_record(tmp_path, tt_cache_dir):
+    # The README's first command with the default config (NGPU defaults to 2 CPU processes), shortened.
+    result = run_train(2, ["--training.steps", "3", "--metrics.log_freq", "1"], tmp_path, tt_cache_dir,
+                       extra_env={"NGPU": ""})
+    assert result.returncode == 0, result.output[-4000:]
+    records = result.metrics()
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("loss", "loss_max", "grad_norm", "lr", "tps", "tflops", "mfu", "data_wait_pct", "mem/rss_gib"):
+        assert key in records[0], key
+    assert records[0]["mfu"] is None  # CPU: no peak FLOPS known, so no guess
+    assert records[0]["loss_max"] >= records[0]["loss"]
+    saved = json.loads((tmp_path / "job_config.json").read_text())
+    assert saved["model"]["flavor"] == "debugmodel" and saved["training"]["steps"] == 3
+    assert "Traceback" not in result.output
+
+
+def test_config_error_fails_fast_with_one_line(tmp_path, tt_cache_dir):
+    result = run_train(2, ["--training.seq_len", "-4"], tmp_path, tt_cache_dir, timeout=120)
+    assert result.returncode != 0
+    assert "training.seq_len" in result.output
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_setup_error_on_every_rank_fails_the_command(tmp_path, tt_cache_dir):
+    missing = tmp_path / "no_such_tokenizer.json"
+    result = run_train(2, ["--model.tokenizer_path", str(missing)], tmp_path / "out", tt_cache_dir, timeout=120)
+    assert result.returncode != 0
+    assert "model.tokenizer_path" in result.output and str(missing) in result.output
+
+
+def test_layout_that_does_not_fit_the_world_is_rejected(tmp_path, tt_cache_dir):
+    result = run_train(2, ["--parallelism.data_parallel_shard_degree", "4"], tmp_path, tt_cache_dir, timeout=120)
+    assert result.returncode != 0
+    assert "world size is 2" in result.output
+
+
+def test_loss_compare_script(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    b.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.6}\n')
+    script = str(REPO / "scripts" / "loss_compare.py")
+    same = subprocess.run([sys.executable, script, str(a), str(a)], capture_output=True, text=True)
+    differ = subprocess.run([sys.executable, script, str(a), str(b)], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert differ.returncode == 1 and "above rtol" in differ.stdout

@@ -1,0 +1,21 @@
+"""docs/configuration.md is generated from the config dataclasses and must not drift from them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_configuration_page_is_up_to_date():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_config_docs.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (REPO / "README.md").read_text()
+    for page in (REPO / "docs").glob("*.md"):
+        assert f"docs/{page.name}" in readme, f"README.md does not link docs/{page.name}"
