@@ -185,9 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
         _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
     except ConfigError as e:
-        if rank == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        # Every rank reports (torchrun shows LOG_RANK's output) and records the error for the launcher's
+        # summary: whichever rank exits first gets the others killed, possibly before they print.
+        print(f"config error: {e}", file=sys.stderr)
+        dist_utils.record_failure(e)
+        dist_utils.exit_process(2)
     try:
         trainer = Trainer(cfg, parallel_dims, grad_accum_steps)
     except (ValueError, FileNotFoundError) as e:
