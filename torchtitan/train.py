@@ -113,12 +113,14 @@ class Trainer:
         """Forward/backward every micro-batch, clip, step. Returns (local loss sum, local tokens, global
         tokens, grad norm)."""
         self.optimizer.zero_grad(set_to_none=True)
-        local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches).to(self.device)
+        # Counted on the host (labels arrive there) so logging never waits on the device for it.
+        local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches)
         # Every rank divides by the same global count, so summed gradients equal the 1-process gradient.
-        global_tokens = dist_utils.all_reduce(local_tokens, self.loss_mesh, "sum")
+        global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
         local_loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
             with self.autocast:
                 logits = self.model(inputs)
             loss_sum = cross_entropy_sum(logits, labels)
@@ -158,7 +160,7 @@ class Trainer:
 
     def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float) -> None:
         loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum") / global_tokens
-        loss_max = dist_utils.all_reduce(loss_sum / local_tokens, self.loss_mesh, "max")
+        loss_max = dist_utils.all_reduce(loss_sum / local_tokens.to(self.device), self.loss_mesh, "max")
         tflops = self.flops_per_token * tps / 1e12
         self.metrics.log(step, {
             "loss": loss.item(),

@@ -46,6 +46,7 @@ REFERENCES = {
 FLAVORS = [
     Flavor("grad_accum_1proc", 1, ("--training.local_batch_size", "2")),
     Flavor("fsdp2", 2, ("--training.local_batch_size", "4")),
+    Flavor("fsdp2_deterministic", 2, ("--training.local_batch_size", "4", "--debug.deterministic", "true")),
     Flavor("fsdp2_grad_accum", 2, ("--training.local_batch_size", "2")),
     Flavor("fsdp4", 4, ("--training.local_batch_size", "2")),
     Flavor("fsdp2_reshard_never", 2, ("--training.local_batch_size", "4",

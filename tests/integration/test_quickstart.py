@@ -26,8 +26,10 @@ def test_readme_quick_start_is_the_two_commands():
 
 def test_default_config_trains_and_writes_its_record(tmp_path, tt_cache_dir):
     # The README's first command with the default config (NGPU defaults to 2 CPU processes), shortened.
-    result = run_train(2, ["--training.steps", "3", "--metrics.log_freq", "1"], tmp_path, tt_cache_dir,
-                       extra_env={"NGPU": ""})
+    result = run_train(2, ["--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+                           "--metrics.enable_wandb"], tmp_path, tt_cache_dir,
+                       extra_env={"NGPU": "", "WANDB_SILENT": "true", "WANDB_CACHE_DIR": str(tmp_path / "wb"),
+                                  "WANDB_CONFIG_DIR": str(tmp_path / "wb"), "WANDB_DATA_DIR": str(tmp_path / "wb")})
     assert result.returncode == 0, result.output[-4000:]
     records = result.metrics()
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -38,6 +40,8 @@ def test_default_config_trains_and_writes_its_record(tmp_path, tt_cache_dir):
     saved = json.loads((tmp_path / "job_config.json").read_text())
     assert saved["model"]["flavor"] == "debugmodel" and saved["training"]["steps"] == 3
     assert "Traceback" not in result.output
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "TensorBoard wrote no event file"
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B wrote no offline run"
 
 
 def test_config_error_fails_fast_with_one_line(tmp_path, tt_cache_dir):
@@ -69,3 +73,21 @@ def test_loss_compare_script(tmp_path):
     differ = subprocess.run([sys.executable, script, str(a), str(b)], capture_output=True, text=True)
     assert same.returncode == 0, same.stdout + same.stderr
     assert differ.returncode == 1 and "above rtol" in differ.stdout
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_rejected_before_training(tmp_path, tt_cache_dir):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"w{i}": i for i in range(9000)}
+    vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"], vocab["<unk>"] = 9000, 9001, 9002
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    path = tmp_path / "big" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    result = run_train(1, ["--model.tokenizer_path", str(path)], tmp_path / "out", tt_cache_dir, timeout=120)
+    assert result.returncode != 0
+    assert "model.tokenizer_path" in result.output and "9003 tokens" in result.output and "8192" in result.output
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -115,18 +115,6 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
         rope_scaling=RoPEScaling(),
         tie_word_embeddings=False,
     ),
-    # The debug model with tied embedding/output, the layout of the 1B and 3B flavors, for CPU tests.
-    "debugmodel_tied": TransformerModelArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=8192,
-        multiple_of=256,
-        rope_theta=500000.0,
-        rope_scaling=RoPEScaling(),
-        tie_word_embeddings=True,
-    ),
     # Llama 3.2
     "1B": _published(2048, 16, 32, 1.5, 256, 32.0, tie=True),
     "3B": _published(3072, 28, 24, 1.0, 256, 32.0, tie=True),
@@ -135,3 +123,6 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "70B": _published(8192, 80, 64, 1.3, 4096, 8.0, tie=False),
     "405B": _published(16384, 126, 128, 1.2, 4096, 8.0, tie=False),
 }
+
+# The debug model with tied embedding/output, the layout of the 1B and 3B flavors, for CPU tests.
+llama3_flavors["debugmodel_tied"] = replace(llama3_flavors["debugmodel"], tie_word_embeddings=True)
