@@ -10,6 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 
+for _arg in "$@"; do  # --help needs no processes: print every config key and stop
+    if [ "$_arg" = "--help" ] || [ "$_arg" = "-h" ]; then exec "$PYTHON" -m torchtitan.train --help; fi
+done
+
 if [ -z "${NGPU:-}" ]; then
     NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
     [ "$NGPU" -gt 0 ] || NGPU=2

@@ -57,9 +57,11 @@ def apply_fsdp(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            if not hasattr(module, "set_force_sum_reduction_for_comms"):
-                raise RuntimeError("this torch version cannot force SUM reductions in FSDP (torch >= 2.11 needed)")
-            module.set_force_sum_reduction_for_comms(True)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+            elif mesh.device_type == "cpu":
+                # without the switch FSDP would issue PREMUL_SUM, which gloo rejects; NCCL supports it
+                raise RuntimeError("this torch version cannot force SUM reductions in FSDP, which gloo needs")
     logger.info(f"applied {'HSDP' if mesh.ndim == 2 else 'FSDP'} over mesh {tuple(mesh.mesh.shape)}")
     return model
 
