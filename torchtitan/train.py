@@ -16,9 +16,11 @@ from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.validate import Validator, validation_shape
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, parse_args, to_dict
 from torchtitan.data.dataloader import build_dataloader
+from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
@@ -41,7 +43,8 @@ class Trainer:
 
         # Tokenizer and data are checked before the model is built: a bad path fails in seconds.
         spec = get_model_spec(cfg.model.name)
-        model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
+        max_seq_len = max(cfg.training.seq_len, validation_shape(cfg)[1] if cfg.validation.enable else 0)
+        model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=max_seq_len)
         tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir())
         if tokenizer.vocab_size > model_args.vocab_size:
             raise ConfigError(
@@ -49,14 +52,24 @@ class Trainer:
                 f"{cfg.model.name}/{cfg.model.flavor} has vocab_size {model_args.vocab_size}"
             )
         dp_mesh = parallel_dims.mesh("dp")
+        t = cfg.training
+        source = build_document_source(dataset=t.dataset, dataset_path=t.dataset_path,
+                                       text_column=t.dataset_text_column, split=t.dataset_split,
+                                       streaming=t.dataset_streaming, key_prefix="training",
+                                       cache_dir=str(default_cache_dir() / "datasets"))
         self.dataloader = build_dataloader(
-            dataset=cfg.training.dataset,
+            source=source,
             tokenizer=tokenizer,
-            seq_len=cfg.training.seq_len,
-            local_batch_size=cfg.training.local_batch_size,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
             dp_rank=dp_mesh.get_local_rank(),
             dp_degree=dp_mesh.size(),
+            num_workers=t.num_workers,
         )
+        self.validator = None
+        if cfg.validation.enable:
+            self.validator = Validator(cfg, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(), self.loss_mesh,
+                                       self.device, str(default_cache_dir() / "datasets"))
 
         # Build on meta, parallelize, then materialise: no rank ever holds the full unsharded model.
         with torch.device("meta"):
@@ -150,15 +163,19 @@ class Trainer:
                 dist_utils.set_pg_timeout(self.cfg.comm.train_timeout_seconds)
             if step % cfg.gc_freq == 0:
                 gc.collect(1)
-            if step == 1 or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps:
+            validation = {}
+            if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
+                validation = self.validator.validate(self.model, self.autocast)
+            if step == 1 or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
                 self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, window_tokens / elapsed,
-                          100.0 * data_wait / elapsed)
+                          100.0 * data_wait / elapsed, validation)
                 window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
                 self.memory.reset_peak()
         logger.info(f"training finished after {cfg.steps} steps")
 
-    def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float) -> None:
+    def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float,
+             validation: dict[str, float]) -> None:
         loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum") / global_tokens
         loss_max = dist_utils.all_reduce(loss_sum / local_tokens.to(self.device), self.loss_mesh, "max")
         tflops = self.flops_per_token * tps / 1e12
@@ -172,6 +189,7 @@ class Trainer:
             "mfu": None if self.peak_flops is None else round(100.0 * tflops * 1e12 / self.peak_flops, 2),
             "data_wait_pct": round(data_pct, 2),
             **self.memory.snapshot(),
+            **validation,
         })
 
     def close(self) -> None:

@@ -34,26 +34,40 @@ COMMON = (
     "--lr_scheduler.warmup_steps", "2",
     "--debug.seed", "7",
     "--job.print_config", "false",
+    # Validation on the held-out corpus: the first 2 global batches of 8 sequences, so every layout evaluates
+    # the same 16 sequences (each flavor sets validation.local_batch_size = 8 / DP degree).
+    "--validation.enable", "true",
+    "--validation.freq", "5",
+    "--validation.steps", "2",
 )
 
+
+def _val(dp_degree: int) -> tuple[str, str]:
+    return ("--validation.local_batch_size", str(GLOBAL_BATCH // dp_degree))
+
+
 REFERENCES = {
-    "single_process": Flavor("single_process", 1, ("--training.local_batch_size", "8")),
+    "single_process": Flavor("single_process", 1, ("--training.local_batch_size", "8", *_val(1))),
     # Tied embedding/output (the 1B/3B layout) lives in FSDP's root unit: check it separately.
-    "single_process_tied": Flavor("single_process_tied", 1, ("--training.local_batch_size", "8",
+    "single_process_tied": Flavor("single_process_tied", 1, ("--training.local_batch_size", "8", *_val(1),
                                                              "--model.flavor", "debugmodel_tied")),
 }
 
 FLAVORS = [
-    Flavor("grad_accum_1proc", 1, ("--training.local_batch_size", "2")),
-    Flavor("fsdp2", 2, ("--training.local_batch_size", "4")),
-    Flavor("fsdp2_deterministic", 2, ("--training.local_batch_size", "4", "--debug.deterministic", "true")),
-    Flavor("fsdp2_grad_accum", 2, ("--training.local_batch_size", "2")),
-    Flavor("fsdp4", 4, ("--training.local_batch_size", "2")),
-    Flavor("fsdp2_reshard_never", 2, ("--training.local_batch_size", "4",
+    Flavor("grad_accum_1proc", 1, ("--training.local_batch_size", "2", *_val(1))),
+    Flavor("fsdp2", 2, ("--training.local_batch_size", "4", *_val(2))),
+    Flavor("fsdp2_deterministic", 2, ("--training.local_batch_size", "4", *_val(2),
+                                      "--debug.deterministic", "true")),
+    Flavor("fsdp2_data_workers", 2, ("--training.local_batch_size", "4", *_val(2), "--training.num_workers", "2")),
+    Flavor("fsdp2_grad_accum", 2, ("--training.local_batch_size", "2", *_val(2))),
+    Flavor("fsdp4", 4, ("--training.local_batch_size", "2", *_val(4))),
+    Flavor("fsdp2_reshard_never", 2, ("--training.local_batch_size", "4", *_val(2),
                                       "--parallelism.fsdp_reshard_after_forward", "never")),
-    Flavor("hsdp2x2", 4, ("--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2")),
-    Flavor("ddp2", 2, ("--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
+    Flavor("hsdp2x2", 4, ("--training.local_batch_size", "2", *_val(4),
+                          "--parallelism.data_parallel_replicate_degree", "2")),
+    Flavor("ddp2", 2, ("--training.local_batch_size", "4", *_val(2),
+                       "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1")),
-    Flavor("fsdp2_tied", 2, ("--training.local_batch_size", "4", "--model.flavor", "debugmodel_tied"),
+    Flavor("fsdp2_tied", 2, ("--training.local_batch_size", "4", *_val(2), "--model.flavor", "debugmodel_tied"),
            reference="single_process_tied"),
 ]

@@ -21,7 +21,7 @@ def reference_runs(tmp_path_factory, tt_cache_dir):
             ref = REFERENCES[name]
             result = run_train(ref.nproc, [*COMMON, *ref.overrides], tmp_path_factory.mktemp(name), tt_cache_dir)
             assert result.returncode == 0, result.output[-4000:]
-            cache[name] = result.losses()
+            cache[name] = result.metrics()
             assert len(cache[name]) == STEPS
         return cache[name]
 
@@ -31,19 +31,25 @@ def reference_runs(tmp_path_factory, tt_cache_dir):
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_reference_learns(name, reference_runs):
     # a parity test against a run that does not train would prove nothing
-    losses = reference_runs(name)
+    losses = [m["loss"] for m in reference_runs(name)]
     assert losses[-1] < losses[0] - 0.5, losses
 
 
 @pytest.mark.parametrize("flavor", FLAVORS, ids=lambda f: f.name)
 def test_layout_matches_single_process(flavor, reference_runs, tmp_path, tt_cache_dir):
-    reference_losses = reference_runs(flavor.reference)
+    reference = reference_runs(flavor.reference)
     result = run_train(flavor.nproc, [*COMMON, *flavor.overrides], tmp_path, tt_cache_dir)
     assert result.returncode == 0, result.output[-4000:]
-    losses = result.losses()
-    assert len(losses) == STEPS, result.output[-2000:]
-    for step, (got, ref) in enumerate(zip(losses, reference_losses, strict=True), start=1):
-        assert abs(got - ref) <= REL_TOL * abs(ref), (
-            f"{flavor.name} step {step}: loss {got!r} vs 1-process {ref!r} "
-            f"(rel diff {abs(got - ref) / abs(ref):.2e})"
-        )
+    records = result.metrics()
+    assert len(records) == STEPS, result.output[-2000:]
+    compared = 0
+    for got, ref in zip(records, reference, strict=True):
+        for key in ("loss", "val_loss"):
+            if key not in ref:
+                continue
+            compared += key == "val_loss"
+            assert abs(got[key] - ref[key]) <= REL_TOL * abs(ref[key]), (
+                f"{flavor.name} step {ref['step']}: {key} {got[key]!r} vs 1-process {ref[key]!r} "
+                f"(rel diff {abs(got[key] - ref[key]) / abs(ref[key]):.2e})"
+            )
+    assert compared == 2, "validation should have run at steps 5 and 10"

@@ -471,6 +471,15 @@ INVALID_VALUES = [
     (["--training.global_batch_size", "-2"], "training.global_batch_size"),
     (["--training.mixed_precision_param", "float16"], "training.mixed_precision_param"),
     (["--training.mixed_precision_reduce", "fp8"], "training.mixed_precision_reduce"),
+    (["--training.dataset_streaming", "maybe"], "training.dataset_streaming"),
+    (["--training.num_workers", "-1"], "training.num_workers"),
+    # validation (checked only when enabled, except the streaming choice)
+    (["--validation.dataset_streaming", "yes"], "validation.dataset_streaming"),
+    (["--validation.enable", "--validation.freq", "0"], "validation.freq"),
+    (["--validation.enable", "--validation.steps", "0"], "validation.steps"),
+    (["--validation.enable", "--validation.steps", "-3"], "validation.steps"),
+    (["--validation.enable", "--validation.local_batch_size", "0"], "validation.local_batch_size"),
+    (["--validation.enable", "--validation.seq_len", "-2"], "validation.seq_len"),
     # parallelism
     (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward"),
     (["--parallelism.context_parallel_rotate_method", "ring"], "parallelism.context_parallel_rotate_method"),
@@ -491,7 +500,6 @@ INVALID_VALUES = [
 ]
 
 NOT_AVAILABLE = [
-    (["--training.dataset_path", "/data/c4"], "training.dataset_path"),
     (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
     (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
@@ -506,7 +514,6 @@ NOT_AVAILABLE = [
     (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode"),
     (["--activation_checkpoint.mode", "full"], "activation_checkpoint.mode"),
     (["--compile.enable"], "compile.enable"),
-    (["--validation.enable"], "validation.enable"),
     (["--profiling.enable_profiling"], "profiling.enable_profiling"),
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),
     (["--memory_estimation.enable"], "memory_estimation.enable"),

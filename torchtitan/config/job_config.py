@@ -72,7 +72,15 @@ class Training:
     dataset: str = "python_stdlib"
     """Dataset name from the registry (python_stdlib = the embedded default corpus)"""
     dataset_path: str = ""
-    """Local path or hub name for the dataset (data pipeline issue; empty = use the registry entry)"""
+    """Local file, folder or glob (json/jsonl/parquet/txt), or a hub dataset name; empty = the registry entry"""
+    dataset_text_column: str = "text"
+    """Column (json/parquet/hub record field) holding each document's text"""
+    dataset_split: str = "train"
+    """Split of a hub or local dataset to read"""
+    dataset_streaming: str = "auto"
+    """auto | true | false: stream instead of loading into the datasets cache (auto: hub and local data > 1 GB)"""
+    num_workers: int = 0
+    """Dataloader worker processes that tokenize in parallel (0 = tokenize in the training process)"""
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank"""
     global_batch_size: int = -1
@@ -218,17 +226,25 @@ class Debug:
 @dataclass
 class Validation:
     enable: bool = False
-    """Periodic validation loss (data pipeline issue; not available yet)"""
-    dataset: str = "python_stdlib"
-    """Validation dataset name"""
+    """Compute validation loss and perplexity every `freq` steps"""
+    dataset: str = "python_stdlib_val"
+    """Validation dataset name from the registry"""
+    dataset_path: str = ""
+    """Local path or hub name for validation data (same formats as training.dataset_path)"""
+    dataset_split: str = "train"
+    """Split to read with dataset_path (local files have only "train"; hub datasets often "validation")"""
+    dataset_text_column: str = "text"
+    """Column holding each validation document's text"""
+    dataset_streaming: str = "auto"
+    """auto | true | false, as training.dataset_streaming"""
     freq: int = 10
     """Validate every this many steps"""
     steps: int = -1
-    """Validation batches per evaluation (-1 = the whole dataset)"""
-    local_batch_size: int = 8
-    """Validation sequences per micro-batch on each data-parallel rank"""
-    seq_len: int = 2048
-    """Validation tokens per sequence"""
+    """Validation batches per evaluation (-1 = one full pass over the validation dataset)"""
+    local_batch_size: int = -1
+    """Validation sequences per micro-batch on each data-parallel rank (-1 = training.local_batch_size)"""
+    seq_len: int = -1
+    """Validation tokens per sequence (-1 = training.seq_len)"""
 
 
 @dataclass

@@ -97,8 +97,18 @@ def _check_training(cfg: JobConfig) -> None:
         _err(f"training.global_batch_size: must be -1 or > 0, got {t.global_batch_size}")
     _one_of("training.mixed_precision_param", t.mixed_precision_param, ("bfloat16", "float32"))
     _one_of("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
-    if t.dataset_path:
-        _not_yet("training.dataset_path", "loading local or hub datasets")
+    _one_of("training.dataset_streaming", t.dataset_streaming, ("auto", "true", "false"))
+    if t.num_workers < 0:
+        _err(f"training.num_workers: must be >= 0, got {t.num_workers}")
+    v = cfg.validation
+    _one_of("validation.dataset_streaming", v.dataset_streaming, ("auto", "true", "false"))
+    if v.enable:
+        _positive("validation.freq", v.freq)
+        if v.steps == 0 or v.steps < -1:
+            _err(f"validation.steps: must be -1 (one full pass) or > 0, got {v.steps}")
+        for key in ("local_batch_size", "seq_len"):
+            if getattr(v, key) == 0 or getattr(v, key) < -1:
+                _err(f"validation.{key}: must be -1 (same as training) or > 0, got {getattr(v, key)}")
 
 
 def _check_parallelism(cfg: JobConfig) -> None:
@@ -146,8 +156,6 @@ def _check_unavailable(cfg: JobConfig) -> None:
         _not_yet("activation_checkpoint.mode", f"activation checkpointing ('{cfg.activation_checkpoint.mode}')")
     if cfg.compile.enable:
         _not_yet("compile.enable", "torch.compile")
-    if cfg.validation.enable:
-        _not_yet("validation.enable", "validation")
     if cfg.profiling.enable_profiling:
         _not_yet("profiling.enable_profiling", "profiling")
     if cfg.profiling.enable_memory_snapshot:

@@ -1,260 +1,395 @@
 """Packed next-token-prediction batches, sharded across data-parallel ranks by global sequence index.
 
-The corpus is one endless token stream: every document becomes BOS + tokens + EOS, documents are
-concatenated (epoch after epoch, in the same order), and the stream is cut into consecutive,
-non-overlapping windows of seq_len + 1 tokens. Window k is global sequence k, whatever the
-parallelism. The last partial window of an epoch simply continues into the next epoch.
+Documents become BOS + tokens + EOS, concatenated epoch after epoch in a fixed order, cut into
+non-overlapping windows of seq_len + 1 tokens: window k is global sequence k in every layout. Chunks
+of local_batch_size windows go round-robin to the dp ranks, so step n of all ranks covers global
+sequences [n*G, (n+1)*G), G = dp_degree * local_batch_size: what one process with batch G reads.
 
-Sharding deals sequences in chunks of local_batch_size: chunk c goes to dp rank c % dp_degree. So
-step n of every rank together covers global sequences [n*G, (n+1)*G) with G = dp_degree *
-local_batch_size: exactly what one process with batch G reads. Losses therefore match across
-parallelism layouts, and a checkpoint's position is a single global cursor that any layout can
-resume from.
+Tokenizing runs in `num_workers` processes: worker w tokenizes only the blocks of consecutive
+documents at stream positions = w mod num_workers. torch's DataLoader returns an IterableDataset's
+items round-robin in worker order, so this process receives blocks in stream order and packs,
+windows and deals them itself: batches are identical for any num_workers.
+
+The position is a global cursor of plain ints, equal on every rank at step boundaries:
+sequences_consumed (global windows delivered) and where the next window starts: epoch, next_doc (raw
+document index) and doc_token_offset (tokens of that document's BOS..EOS list already consumed).
+Resuming restarts the source at next_doc (the consumed prefix is never re-tokenized) and deals steps
+from the cursor, so any dp_degree continues at the next global sequence.
 """
 
 from __future__ import annotations
 
+import array
+import math
+import multiprocessing.forkserver
+import os
+import pickle
+import sys
+import threading
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections import deque
+from collections.abc import Iterator, Mapping
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.data.datasets import iter_documents
-from torchtitan.data.tokenizer import Tokenizer
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-__all__ = ["PackedDataLoader", "PackedSequenceDataset", "build_dataloader"]
+if TYPE_CHECKING:
+    from torchtitan.data.datasets import DocumentSource
+    from torchtitan.data.tokenizer import Tokenizer
+
+__all__ = ["STATE_KEYS", "PackedDataLoader", "build_dataloader"]
+
+STATE_KEYS = ("sequences_consumed", "next_doc", "doc_token_offset", "epoch")
+# ~8K tokens of code per block: ~10 ms of BPE work, so one pickled message per block costs <1%.
+DEFAULT_BLOCK_CHARS = 32_768
+# forkserver: workers start from a clean server process, not from the trainer, which by the time a
+# dataloader (or the validator's) first iterates has run multi-threaded OpenMP work (forking after it
+# deadlocks children, see DESIGN) and holds gloo/NCCL threads (Python >= 3.12 warns on such forks).
+# With torch preloaded into the server a worker starts in ~0.1 s; spawn costs ~3 s on every start.
+_MP_CONTEXT = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+_Block = tuple[int, int, list[int], list[int], array.array]  # position, epoch, doc indices, lengths, int32 tokens
 
 
-class _TokenStream:
-    """Cuts the endless BOS+doc+EOS stream into windows, tokenizing documents only as needed."""
+def _iter_blocks(source: DocumentSource, tokenizer: Tokenizer, epoch: int, start_doc: int, infinite: bool,
+                 block_chars: int, worker: int, num_workers: int) -> Iterator[_Block]:
+    """Tokenized blocks in stream order from (epoch, start_doc), only those of `worker`.
 
-    def __init__(self, documents: Callable[[], Iterator[str]], tokenizer: Tokenizer, window: int, dataset: str):
-        self._documents = documents
-        self._tokenizer = tokenizer
-        self._window = window
-        self._dataset = dataset
-        self._docs: Iterator[str] = documents()
-        self._docs_this_epoch = 0
-        self._buf: list[int] = []
-        self._pos = 0  # start of the next window inside _buf
-        self.epoch = 0  # epoch of the most recently tokenized document
-        self.windows_read = 0  # global index of the next window
-        self.log_epochs = True
-
-    def _fill(self) -> None:
-        """Tokenize documents until the buffer holds a full window past _pos."""
-        while len(self._buf) - self._pos < self._window:
-            doc = next(self._docs, None)
-            if doc is None:
-                if self._docs_this_epoch == 0:
-                    raise ValueError(f"training.dataset '{self._dataset}': the corpus has no documents")
-                self.epoch += 1
-                self._docs_this_epoch = 0
-                self._docs = self._documents()
-                if self.log_epochs:
-                    logger.info(f"training.dataset '{self._dataset}': epoch {self.epoch}")
-                continue
-            self._docs_this_epoch += 1
-            if self._pos:
-                # Drop consumed tokens before growing the buffer, so it stays about one document
-                # plus one window long instead of growing with the whole epoch.
-                del self._buf[: self._pos]
-                self._pos = 0
-            self._buf.extend(self._tokenizer.encode(doc))
-
-    def take(self) -> list[int]:
-        self._fill()
-        window = self._buf[self._pos : self._pos + self._window]
-        self._pos += self._window
-        self.windows_read += 1
-        return window
-
-    def skip(self, n: int) -> None:
-        # Another rank's sequences (or the already-consumed prefix on resume): the tokens still have
-        # to be produced to know where later windows start, but no tensors are built.
-        for _ in range(n):
-            self._fill()
-            self._pos += self._window
-            self.windows_read += 1
-
-
-class PackedSequenceDataset(IterableDataset):
-    """Yields this dp rank's `(input_ids, labels)` pairs (int64, [seq_len] each) from a packed stream.
-
-    Position is a global cursor: `sequences_consumed` counts global sequences (all ranks) delivered
-    in complete steps, so it is the same on every rank and a multiple of dp_degree *
-    local_batch_size at step boundaries. Iterating starts at the cursor; a new iterator after
-    load_state_dict resumes there, for any dp_degree.
+    Every worker reads every document's text (cheap) so that all agree where blocks begin; only
+    its own blocks are tokenized. Block positions count on across epochs, so a corpus with fewer
+    blocks than workers still keeps every worker busy in infinite mode.
     """
-
-    def __init__(
-        self,
-        dataset: str,
-        tokenizer: Tokenizer,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int = 0,
-        dp_degree: int = 1,
-        documents: Callable[[], Iterator[str]] | None = None,
-    ):
-        if seq_len < 1:
-            raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
-        if local_batch_size < 1:
-            raise ValueError(f"training.local_batch_size must be >= 1, got {local_batch_size}")
-        if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"data parallel: dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})")
-        if documents is None:
-            iter_documents(dataset)  # fail fast on an unknown name, before any iteration
-            documents = lambda: iter_documents(dataset)  # noqa: E731
-        self.dataset = dataset
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
-        self._documents = documents
-        self._sequences_consumed = 0
-        self._epoch = 0
-        self._checked = False
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.dp_degree * self.local_batch_size
-
-    def check_epoch_size(self) -> None:
-        """Raise unless one epoch holds at least one global batch of sequences.
-
-        Otherwise a step would wrap the corpus, repeating sequences within one global batch.
-        Tokenizes only the first global batch's worth of the corpus, once.
-        """
-        if self._checked:
+    position, first = 0, start_doc
+    while True:
+        epoch_start, block, chars = position, [], 0
+        for index, text in source.iter_documents(first):
+            block.append((index, text))
+            chars += len(text)
+            if chars >= block_chars:
+                if position % num_workers == worker:
+                    yield _encode_block(tokenizer, position, epoch, block)
+                position, block, chars = position + 1, [], 0
+        if block:  # blocks close at the end of an epoch, so every block belongs to one epoch
+            if position % num_workers == worker:
+                yield _encode_block(tokenizer, position, epoch, block)
+            position += 1
+        if not infinite:
             return
-        need = self.global_batch_size * (self.seq_len + 1)
-        tokens = 0
-        for doc in self._documents():
-            tokens += len(self.tokenizer.encode(doc))
-            if tokens >= need:
-                self._checked = True
-                return
-        raise ValueError(
-            f"training.dataset '{self.dataset}' holds only {tokens // (self.seq_len + 1)} sequences of "
-            f"training.seq_len + 1 = {self.seq_len + 1} tokens per epoch, fewer than one global batch "
-            f"(dp_degree {self.dp_degree} x training.local_batch_size {self.local_batch_size}); "
-            f"use a smaller training.seq_len or training.local_batch_size"
-        )
+        if position == epoch_start and first == 0:
+            raise ValueError(f"{_label(source)}: the corpus has no documents")
+        epoch, first = epoch + 1, 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.check_epoch_size()
-        b, g = self.local_batch_size, self.global_batch_size
-        # Chunks are dealt relative to where this iteration starts, so resuming from a cursor that
-        # is not a multiple of the new global batch (dp_degree changed) still gives every step a
-        # contiguous block of G global sequences.
-        base = self._sequences_consumed
-        stream = _TokenStream(self._documents, self.tokenizer, self.seq_len + 1, self.dataset)
-        # Exact but simple: every rank tokenizes the whole stream and discards other ranks' windows,
-        # and resuming re-tokenizes the consumed prefix. (A later issue optimises both.)
-        stream.log_epochs = False
-        stream.skip(base)
-        stream.log_epochs = True
-        if base and stream.epoch != self._epoch:
-            logger.warning(
-                f"training.dataset '{self.dataset}': resumed at sequence {base} in epoch {stream.epoch}, but the "
-                f"checkpoint says epoch {self._epoch}; the corpus or tokenizer changed since it was written"
-            )
-        step = 0
-        while True:
-            step_start = base + step * g
-            stream.skip(step_start + self.dp_rank * b - stream.windows_read)
-            chunk = [stream.take() for _ in range(b)]
-            # Read to the end of the global step now, so every rank has seen the same windows and
-            # so reports the same epoch in its state.
-            stream.skip(step_start + g - stream.windows_read)
-            for i, window in enumerate(chunk):
-                if i == b - 1:
-                    # Advance before the last yield: once the dataloader has the last sample of the
-                    # batch, the step's sequences count as delivered.
-                    self._sequences_consumed = step_start + g
-                    self._epoch = stream.epoch
-                tokens = torch.tensor(window, dtype=torch.int64)
-                yield tokens[:-1], tokens[1:]
-            step += 1
 
-    def state_dict(self) -> dict[str, int]:
-        return {"sequences_consumed": self._sequences_consumed, "epoch": self._epoch}
+def _encode_block(tokenizer: Tokenizer, position: int, epoch: int, block: list[tuple[int, str]]) -> _Block:
+    tokens, lengths = array.array("i"), []
+    for _, text in block:
+        ids = tokenizer.encode(text, add_bos=True, add_eos=True)
+        tokens.extend(ids)
+        lengths.append(len(ids))
+    return position, epoch, [index for index, _ in block], lengths, tokens
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+
+class _BlockDataset(IterableDataset):
+    """What a worker process runs: its share of the tokenized blocks, in stream order."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args  # _iter_blocks's arguments from source to block_chars
+
+    def __iter__(self) -> Iterator[_Block]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return _iter_blocks(*self.args, worker, num_workers)
+
+
+def _check_pickles(source: DocumentSource, tokenizer: Tokenizer) -> None:
+    """Workers get pickled copies of source and tokenizer; the copy must encode exactly like the original,
+    or batches would depend on num_workers (a pickled HF tokenizer forgets encode_special_tokens)."""
+    decode = getattr(tokenizer, "decode", None)
+    specials = decode([tokenizer.bos_id, tokenizer.eos_id]) if decode is not None else ""
+    probe = f"def f(x):\n\treturn x  # naïve café 🦙 {specials} <s></s> <|endoftext|>"
+    for key, obj in ((_label(source), source), ("model.tokenizer_path", tokenizer)):
         try:
-            consumed, epoch = state_dict["sequences_consumed"], state_dict["epoch"]
-        except (KeyError, TypeError):
-            raise ValueError(
-                f"dataloader state: expected {{'sequences_consumed': int, 'epoch': int}}, got {state_dict!r}"
-            ) from None
-        if not (isinstance(consumed, int) and isinstance(epoch, int) and consumed >= 0 and epoch >= 0):
-            raise ValueError(f"dataloader state: sequences_consumed and epoch must be ints >= 0, got {state_dict!r}")
-        if consumed % self.global_batch_size:
-            logger.warning(
-                f"training.dataset '{self.dataset}': resuming at sequence {consumed}, not a multiple of the global "
-                f"batch {self.global_batch_size}; steps continue from there in blocks of {self.global_batch_size}"
-            )
-        self._sequences_consumed = consumed
-        self._epoch = epoch
+            copy = pickle.loads(pickle.dumps(obj))
+        except Exception as e:
+            raise ValueError(f"{key}: {type(obj).__name__} cannot be pickled for dataloader workers: {e}") from None
+    if copy.encode(probe) != tokenizer.encode(probe):
+        raise ValueError("model.tokenizer_path: the tokenizer encodes differently once pickled into a dataloader "
+                         "worker (fix its pickling, or set training.num_workers = 0)")
 
 
-class PackedDataLoader(StatefulDataLoader):
-    """StatefulDataLoader (num_workers=0) whose state is the dataset's plain global cursor.
+def _label(source: DocumentSource) -> str:
+    # Validation sources carry key_prefix "validation", so messages name the right config key.
+    return f"{getattr(source, 'key_prefix', 'training')}.dataset '{source.name}'"
 
-    The stock StatefulDataLoader state nests sampler/fetcher bookkeeping around the dataset state;
-    for a packed stream the cursor alone determines the position, and keeping it as plain data
-    lets a checkpoint written with one dp_degree be loaded with another.
+
+def _worker_init(worker_id: int) -> None:
+    # Tokenizing needs no intra-op threads; one thread per worker leaves the cores to the workers.
+    torch.set_num_threads(1)
+    threading.Thread(target=_exit_when_closed, args=(get_worker_info().dataset.owner,), daemon=True).start()
+
+
+def _exit_when_closed(owner: Connection) -> None:
+    # A forkserver worker's parent is the server, so torch's parent check never sees the trainer die (and
+    # its os._exit skips multiprocessing's cleanup): workers, and the server with them, would live on.
+    try:
+        owner.recv()  # nothing is ever sent: returns (EOFError) once the loader or its process is gone
+    finally:
+        os._exit(0)
+
+
+def _identity(item: Any) -> Any:
+    # Blocks cross the process boundary as they are (the default would turn arrays into lists).
+    return item
+
+
+class _Stream:
+    """The training process's view of the token stream: a queue of tokenized documents and a cursor."""
+
+    def __init__(self, blocks: Iterator[_Block], label: str, epoch: int, doc: int, offset: int):
+        self._blocks, self._label = blocks, label
+        self._docs: deque[list[Any]] = deque()  # [epoch, raw index, int32 tokens, tokens consumed]
+        self._resume: tuple[int, int, int] | None = (epoch, doc, offset)
+        self._next_position, self._logged_epoch, self.exhausted = 0, epoch, False
+        self._end = (epoch, doc, 0)  # the cursor once the stream is exhausted (finite mode)
+
+    def _pull(self) -> bool:
+        item = None if self.exhausted else next(self._blocks, None)
+        if item is None:
+            self.exhausted = True
+            return False
+        position, epoch, indices, lengths, tokens = item
+        if position != self._next_position:  # the round-robin order is what makes any num_workers exact
+            raise RuntimeError(f"dataloader: received block {position}, expected {self._next_position}")
+        self._next_position += 1
+        if epoch > self._logged_epoch:
+            self._logged_epoch = epoch
+            logger.info(f"{self._label}: epoch {epoch}")
+        flat = torch.frombuffer(tokens, dtype=torch.int32) if len(tokens) else torch.empty(0, dtype=torch.int32)
+        start = 0
+        for index, n in zip(indices, lengths, strict=True):
+            consumed = self._resume_offset(epoch, index, n) if self._resume is not None else 0
+            if consumed < n:
+                self._docs.append([epoch, index, flat[start : start + n], consumed])
+            start += n
+            self._end = (epoch, index + 1, 0)
+        return True
+
+    def _resume_offset(self, epoch: int, index: int, n: int) -> int:
+        """Tokens of the first document after a resume that earlier steps already consumed."""
+        want_epoch, want_doc, offset = self._resume  # type: ignore[misc]
+        self._resume, found = None, (epoch, index) == (want_epoch, want_doc)
+        if offset and (not found or offset > n):
+            logger.warning(f"{self._label}: the checkpoint resumes at token {offset} of document {want_doc}, but "
+                           f"that is gone: the corpus or tokenizer changed; continuing at the next document")
+            return n if found else 0
+        return offset
+
+    def cursor(self) -> tuple[int, int, int]:
+        """(epoch, raw document index, token offset) of the next unread token; reads one block ahead if needed."""
+        while not self._docs and self._pull():
+            pass
+        if self._docs:
+            epoch, index, _, consumed = self._docs[0]
+            return epoch, index, consumed
+        return self._end
+
+    def at_end(self) -> bool:
+        self.cursor()
+        return not self._docs
+
+    def read(self, n: int, keep: bool) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """Consume up to n tokens; with keep, also return them and their in-document positions."""
+        got, tokens, positions = 0, [], []
+        while got < n and (self._docs or self._pull()):
+            _, _, ids, consumed = doc = self._docs[0]
+            k = min(n - got, len(ids) - consumed)
+            if keep:
+                tokens.append(ids[consumed : consumed + k])
+                positions.append(torch.arange(consumed, consumed + k, dtype=torch.int64))
+            got += k
+            if consumed + k == len(ids):
+                self._docs.popleft()
+            else:
+                doc[3] = consumed + k
+        return got, tokens, positions
+
+
+def _check_state(state: Any) -> dict[str, int]:
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, Mapping) else list(STATE_KEYS)
+    if missing:
+        raise ValueError(f"dataloader state: missing keys {', '.join(missing)} in {state!r}")
+    bad = [k for k in STATE_KEYS if isinstance(state[k], bool) or not isinstance(state[k], int) or state[k] < 0]
+    if bad:
+        raise ValueError(f"dataloader state: {', '.join(bad)} must be ints >= 0, got {dict(state)!r}")
+    return {k: int(state[k]) for k in STATE_KEYS}
+
+
+class PackedDataLoader:
+    """This dp rank's batches; iterable, with a plain-int `state_dict()` / `load_state_dict()`.
+
+    Infinite mode: `iter()` continues from the current cursor (so a new iterator after
+    load_state_dict resumes there). Finite mode (one pass, for validation): every `iter()` is a
+    fresh pass from the most recently loaded state (the start by default); a single iterator should
+    be active at a time. The authoritative state lives here, in the training process, not in the
+    workers: it must describe exactly the batches already yielded, and workers run ahead of those.
     """
 
-    dataset: PackedSequenceDataset
-
-    def __init__(self, dataset: PackedSequenceDataset):
-        # torchdata 0.11 calls torch.set_vital, which newer torch deprecates with a warning on
-        # every construction; it is harmless, so silence just that message.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
-            super().__init__(dataset, batch_size=dataset.local_batch_size, num_workers=0)
+    def __init__(self, *, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+                 dp_rank: int, dp_degree: int, num_workers: int, infinite: bool, return_positions: bool,
+                 block_chars: int):
+        self.source, self.tokenizer, self.seq_len, self.local_batch_size = source, tokenizer, seq_len, local_batch_size
+        self.dp_rank, self.dp_degree, self.num_workers, self.block_chars = dp_rank, dp_degree, num_workers, block_chars
+        self.infinite, self.return_positions = infinite, return_positions
+        self.global_batch_size = dp_degree * local_batch_size
+        self._start: dict[str, int] = dict.fromkeys(STATE_KEYS, 0)  # where the next (finite: every) pass starts
+        self._state: dict[str, int] = dict(self._start)
+        self._pool: tuple[tuple[int, int], StatefulDataLoader, Connection] | None = None
 
     def state_dict(self) -> dict[str, int]:
-        return self.dataset.state_dict()
+        return dict(self._state)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state_dict)
-        # Drop any live iterator: the next iter() starts a fresh stream at the loaded cursor.
-        self._iterator = None
-        self.next_iter_state = None
-        self._initial_iter_for_state_dict = False
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        state = _check_state(state_dict)
+        if state["sequences_consumed"] % self.global_batch_size:
+            logger.info(f"{_label(self.source)}: resuming at global sequence {state['sequences_consumed']}, not a "
+                        f"multiple of the global batch {self.global_batch_size}; steps are counted from there")
+        self._start, self._state = dict(state), dict(state)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        return self._batches(dict(self._state if self.infinite else self._start))
+
+    def _open_blocks(self, epoch: int, doc: int) -> Iterator[_Block]:
+        if self.num_workers == 0:
+            return _iter_blocks(self.source, self.tokenizer, epoch, doc, self.infinite, self.block_chars, 0, 1)
+        # Persistent workers stay up between passes that start at the same place (validation runs
+        # each evaluation from the start); a pass from elsewhere needs workers with that start.
+        if self._pool is None or self._pool[0] != (epoch, doc):
+            self.close()
+            dataset = _BlockDataset(self.source, self.tokenizer, epoch, doc, self.infinite, self.block_chars)
+            dataset.owner, owned = multiprocessing.Pipe(duplex=False)  # only this process holds `owned`
+            # Enough blocks in flight to cover a whole global step (each rank reads all of it), so
+            # the workers tokenize the next step while the model computes this one.
+            step_blocks = math.ceil(self.global_batch_size * (self.seq_len + 1) / self.block_chars)
+            prefetch = min(64, max(2, math.ceil(step_blocks / self.num_workers) + 2))
+            with warnings.catch_warnings():
+                # torchdata 0.11 calls torch.set_vital, deprecated (harmlessly) in newer torch.
+                warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+                loader = StatefulDataLoader(
+                    dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
+                    multiprocessing_context=_MP_CONTEXT, worker_init_fn=_worker_init,
+                    persistent_workers=True, prefetch_factor=prefetch, in_order=True, snapshot_every_n_steps=0,
+                )  # fmt: skip
+            self._pool = ((epoch, doc), loader, owned)
+        return iter(self._pool[1])
+
+    def close(self) -> None:
+        """Stop the worker processes (also done when the loader is garbage-collected or this process ends)."""
+        if self._pool is not None:
+            self._pool[2].close()  # the workers see EOF on their end of this pipe and exit
+            self._pool = None
+
+    def _batches(self, start: dict[str, int]) -> Iterator[tuple[torch.Tensor, ...]]:
+        b, window = self.local_batch_size, self.seq_len + 1
+        before, after = self.dp_rank * b * window, (self.dp_degree - self.dp_rank - 1) * b * window
+        blocks = self._open_blocks(start["epoch"], start["next_doc"])
+        stream = _Stream(blocks, _label(self.source), start["epoch"], start["next_doc"], start["doc_token_offset"])
+        self._state, consumed = dict(start), start["sequences_consumed"]
+        while self.infinite or not stream.at_end():
+            stream.read(before, keep=False)
+            got, tokens, positions = stream.read(b * window, keep=True)
+            # Read to the end of the global step now, so every rank's cursor is the same.
+            stream.read(after, keep=False)
+            consumed += self.global_batch_size
+            epoch, doc, offset = stream.cursor()
+            self._state = {"sequences_consumed": consumed, "next_doc": doc, "doc_token_offset": offset, "epoch": epoch}
+            yield self._collate(got, tokens, positions)
+
+    def _collate(self, got: int, tokens: list[torch.Tensor], positions: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        b, window = self.local_batch_size, self.seq_len + 1
+        pad = b * window - got
+        if self.infinite and pad:
+            raise RuntimeError(f"{_label(self.source)}: the document stream ended in infinite mode")
+        ids = torch.cat([*tokens, torch.full((pad,), self.tokenizer.eos_id, dtype=torch.int32)]).long().view(b, window)
+        pos = torch.cat([*positions, torch.zeros(pad, dtype=torch.int64)]).view(b, window)
+        inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].clone()
+        if pad:
+            # The end of a finite pass: padding never counts as a target, and its positions form
+            # one pseudo-document per row so that document masking keeps it apart from real text.
+            padded = (torch.arange(b * window) >= got).view(b, window)
+            labels[padded[:, 1:]] = IGNORE_INDEX
+            pos = torch.where(padded, padded.long().cumsum(1) - 1, pos)
+        if self.return_positions:
+            return inputs, labels, pos[:, :-1].contiguous()
+        return inputs, labels
+
+
+def _start_forkserver(source: object, tokenizer: object) -> None:
+    """Start the fork server now, in the background, with the modules workers need already imported.
+
+    Every worker it forks inherits them instead of importing torch, the source/tokenizer modules and
+    the main module itself (~3 s each on 2 cores); started at build time, this overlaps model setup.
+    Preloading only applies before the server first starts; later calls change nothing.
+    """
+    if _MP_CONTEXT != "forkserver":
+        return
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m pkg.mod` runs
+    modules = {"torch", __name__, type(source).__module__, type(tokenizer).__module__, getattr(main_spec, "name", "")}
+    multiprocessing.get_context("forkserver").set_forkserver_preload(sorted(modules - {"", "__main__", "builtins"}))
+    multiprocessing.forkserver.ensure_running()
+
+
+def _check_epoch_size(loader: PackedDataLoader) -> None:
+    """Raise unless one epoch holds at least one global batch of windows (else a step would repeat data)."""
+    need = loader.global_batch_size * (loader.seq_len + 1)
+    tokens = 0
+    for _, text in loader.source.iter_documents(0):
+        tokens += len(loader.tokenizer.encode(text, add_bos=True, add_eos=True))
+        if tokens >= need:
+            return
+    raise ValueError(
+        f"{_label(loader.source)} holds only {tokens // (loader.seq_len + 1)} sequences of "
+        f"training.seq_len + 1 = {loader.seq_len + 1} tokens per epoch, fewer than one global batch (dp degree "
+        f"{loader.dp_degree} x training.local_batch_size {loader.local_batch_size}); use a smaller "
+        f"training.seq_len or training.local_batch_size"
+    )
 
 
 def build_dataloader(
-    *,
-    dataset: str,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_degree: int,
-    documents: Callable[[], Iterator[str]] | None = None,
+    *, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+    dp_degree: int, num_workers: int = 0, infinite: bool = True, return_positions: bool = False,
+    block_chars: int = DEFAULT_BLOCK_CHARS,
 ) -> PackedDataLoader:
-    """Batches of `(input_ids, labels)`, each int64 `[local_batch_size, seq_len]`, for this dp rank.
+    """This dp rank's batches: `(input_ids, labels[, positions])`, each int64 `[local_batch_size, seq_len]`.
 
-    `documents` replaces the named dataset's document source (tests inject small corpora).
-    Raises ValueError now if one epoch holds fewer than dp_degree * local_batch_size sequences.
+    positions: each input token's index inside its document's BOS..EOS list (0 at every BOS).
+    infinite=False: one pass; the last window is padded (inputs eos_id, labels -100) and the last
+    step is filled with fully ignored rows, so every rank yields the same number of batches.
+    Raises ValueError now (infinite mode) if one epoch holds fewer than dp_degree * local_batch_size
+    windows. block_chars: text per worker work item (tune only for unusual corpora).
     """
-    ds = PackedSequenceDataset(
-        dataset,
-        tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        documents=documents,
-    )
-    ds.check_epoch_size()
-    return PackedDataLoader(ds)
+    for wrong, message in (
+        (seq_len < 1, f"training.seq_len must be >= 1, got {seq_len}"),
+        (local_batch_size < 1, f"training.local_batch_size must be >= 1, got {local_batch_size}"),
+        (not 0 <= dp_rank < dp_degree, f"data parallel: dp_rank {dp_rank} is not in [0, dp_degree={dp_degree})"),
+        (num_workers < 0, f"training.num_workers must be >= 0, got {num_workers}"),
+        (block_chars < 1, f"dataloader block_chars must be >= 1, got {block_chars}"),
+    ):
+        if wrong:
+            raise ValueError(message)
+    loader = PackedDataLoader(
+        source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+        dp_degree=dp_degree, num_workers=num_workers, infinite=infinite, return_positions=return_positions,
+        block_chars=block_chars,
+    )  # fmt: skip
+    if num_workers:
+        _check_pickles(source, tokenizer)
+        _start_forkserver(source, tokenizer)
+    if infinite:
+        _check_epoch_size(loader)
+    return loader

@@ -1,8 +1,15 @@
-"""Named text corpora for pretraining, shipped with every Python install so runs need no downloads.
+"""Document sources: the embedded stdlib corpus, hub datasets, and local json/jsonl/parquet/txt files.
 
-A dataset is a zero-argument callable returning a fresh iterator of documents (strings). Each call
-must yield the same documents in the same order, in every process: the dataloader relies on that
-to shard by global sequence index, and the tokenizer cache relies on it to train reproducibly.
+A `DocumentSource` yields `(raw_index, text)` in a fixed order, the same in every process, and can
+start at any raw index without reading (let alone tokenizing) the records before it; the dataloader
+keeps its resume cursor in raw indexes. Bad records (not a string, empty, whitespace-only) are
+skipped and counted but keep their index, so indexes never shift. Sources pickle cheaply: dataloader
+workers each get a copy. Every configuration problem is found in `build_document_source`, before
+the first step, and reported in one line naming the config key and the file. Local files and hub
+datasets are read through HF `datasets` (see `hf_sources.py` for formats and policies).
+
+`python_stdlib` is the Python standard library's own sources and pydoc topics (present on every
+machine, so the default config trains without downloads); `python_stdlib_val` is a held-out 2% of it.
 """
 
 from __future__ import annotations
@@ -14,32 +21,31 @@ import platform
 import random
 import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torchtitan.tools.logging import logger
 
-__all__ = ["DATASETS", "corpus_fingerprint", "iter_documents"]
+__all__ = ["DATASETS", "DocumentSource", "HubDataset", "build_document_source", "corpus_fingerprint", "iter_documents"]
 
 # Directory names pruned anywhere under the stdlib root. Test suites are excluded because they are
 # full of deliberately odd code (bad encodings, syntax-error fixtures, huge generated literals) and
-# would dominate the corpus (`test/` alone is larger than the rest of the stdlib). This covers
-# test/, idlelib/idle_test/, lib2to3/tests/, ctypes/test/, tkinter/test/, unittest/test/,
-# distutils/tests/ and the like. site-packages/ holds third-party code that differs per install.
-# __pycache__ holds only bytecode.
+# would dominate the corpus. site-packages/ holds third-party code that differs per install.
 _EXCLUDED_DIR_NAMES = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
-# Build-specific generated files: they differ between builds of the same Python version, which
-# would make the corpus (and the tokenizer cache key) machine-dependent for no benefit.
+# Build-specific generated files differ between builds of one Python version; they would make the
+# corpus (and the tokenizer cache key) machine-dependent for no benefit.
 _EXCLUDED_DIR_PREFIXES = ("config-",)
 _EXCLUDED_FILE_PREFIXES = ("_sysconfigdata_",)
-# pydoc_data/topics.py is one big dict literal of the help topics; we add those texts as separate
-# plain-text documents instead, so the source file would only duplicate them.
+# pydoc_data/topics.py is one dict literal of help topics; its texts are added as separate documents.
 _EXCLUDED_REL_PATHS = frozenset({"pydoc_data/topics.py"})
-
-# A constant (not the training seed): the document order is part of the dataset's identity, so
-# runs with different training seeds still see the same data stream.
+# A constant (not the training seed): the order is part of the dataset's identity.
 _SHUFFLE_SEED = 20240917
+# 1 in 50 documents (2%) is held out for validation, chosen by a hash of its key, so a document's
+# split never depends on which other files this Python ships.
+_HELD_OUT_ONE_IN = 50
+_SKIP_LOG_EVERY = 100_000
 
 
 @dataclass(frozen=True)
@@ -62,12 +68,11 @@ def _is_excluded_dir(name: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _stdlib_sources() -> tuple[_Source, ...]:
-    """The stdlib corpus's document list, in its fixed shuffled order (cached per process)."""
+    """The whole stdlib corpus (both splits), in its fixed shuffled order (cached per process)."""
     root = _stdlib_root()
     files: list[_Source] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        # Prune in place so os.walk never descends into (large) excluded trees.
-        dirnames[:] = [d for d in dirnames if not _is_excluded_dir(d)]
+        dirnames[:] = [d for d in dirnames if not _is_excluded_dir(d)]  # prune: never walk into them
         for fname in filenames:
             if not fname.endswith(".py") or fname.startswith(_EXCLUDED_FILE_PREFIXES):
                 continue
@@ -80,8 +85,7 @@ def _stdlib_sources() -> tuple[_Source, ...]:
             except OSError:
                 continue  # dangling symlink or similar: not part of the corpus
             files.append(_Source(key=rel, size=size, path=path))
-    # os.walk order depends on the filesystem; sort by relative path so every machine agrees.
-    files.sort(key=lambda s: s.key)
+    files.sort(key=lambda s: s.key)  # os.walk order depends on the filesystem
 
     from pydoc_data.topics import topics
 
@@ -89,68 +93,148 @@ def _stdlib_sources() -> tuple[_Source, ...]:
         _Source(key=f"pydoc_data/topics:{name}", size=len(topics[name]), topic=name) for name in sorted(topics)
     ]
     sources = files + topic_sources
-    # Shuffle so the first batches (and the tokenizer's training sample) mix packages and prose
-    # instead of being all of asyncio/ then all of email/. random.Random's shuffle is stable for a
-    # given seed on a given Python, which is all we need (the fingerprint includes the version).
+    # Shuffled so early batches (and the tokenizer's training sample) mix packages and prose.
     random.Random(_SHUFFLE_SEED).shuffle(sources)
     return tuple(sources)
 
 
-# Names whose skipped-file count was already logged in this process (log it once, not per epoch).
-_logged_skips: set[str] = set()
+def _is_held_out(key: str) -> bool:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % _HELD_OUT_ONE_IN == 0
 
 
-def _iter_stdlib() -> Iterator[str]:
-    from pydoc_data.topics import topics
+def _stdlib_split(held_out: bool) -> tuple[_Source, ...]:
+    return tuple(s for s in _stdlib_sources() if _is_held_out(s.key) == held_out)
 
-    skipped = 0
-    for source in _stdlib_sources():
-        if source.path is not None:
-            try:
-                text = source.path.read_bytes().decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                skipped += 1
+
+class DocumentSource:
+    """A deterministic sequence of raw records; `iter_documents` yields the usable ones with their index."""
+
+    def __init__(self, name: str, key_prefix: str, num_documents: int | None) -> None:
+        self.name = name  # for messages: the registry name or the dataset_path
+        self.key_prefix = key_prefix
+        self.num_documents = num_documents  # raw records, bad ones included; None when unknown
+        self.skipped_documents = 0  # bad records met so far in the current (or last) pass
+        self._reported = False
+
+    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
+        """(raw_index, text) for every usable record from raw index `start` on, in the fixed order."""
+        if start < 0:
+            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
+        self.skipped_documents = 0
+        for index, value in self._iter_raw(start):
+            # isspace() instead of strip(): no copy of a possibly huge document.
+            if isinstance(value, str) and value and not value.isspace():
+                yield index, value
                 continue
-        else:
-            text = topics[source.topic]
-        if not text.strip():
-            continue
-        yield text
-    if skipped and "python_stdlib" not in _logged_skips:
-        _logged_skips.add("python_stdlib")
-        logger.info(f"training.dataset 'python_stdlib': skipped {skipped} files that are not readable UTF-8")
+            self.skipped_documents += 1
+            if self.skipped_documents % _SKIP_LOG_EVERY == 0:
+                logger.info(f"{self._label()}: skipped {self.skipped_documents} records so far (at {index})")
+        if self.skipped_documents and not self._reported:
+            self._reported = True  # once per process, not every epoch
+            logger.info(f"{self._label()}: skipped {self.skipped_documents} empty or non-text records "
+                        f"(of records {start} onwards); their indexes stay reserved")  # fmt: skip
+
+    def _label(self) -> str:
+        return f"{self.key_prefix}.dataset '{self.name}'"
+
+    def _iter_raw(self, start: int) -> Iterator[tuple[int, Any]]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, num_documents={self.num_documents})"
 
 
-DATASETS: dict[str, Callable[[], Iterator[str]]] = {
-    "python_stdlib": _iter_stdlib,
+class _StdlibSource(DocumentSource):
+    def __init__(self, name: str, key_prefix: str, sources: tuple[_Source, ...]) -> None:
+        super().__init__(name, key_prefix, len(sources))
+        self.sources = sources
+
+    def _iter_raw(self, start: int) -> Iterator[tuple[int, Any]]:
+        from pydoc_data.topics import topics
+
+        for index in range(start, len(self.sources)):
+            source = self.sources[index]
+            if source.topic is not None:
+                yield index, topics[source.topic]
+                continue
+            try:
+                yield index, source.path.read_bytes().decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                yield index, None  # an unreadable file counts as a bad record
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset on the Hugging Face hub, always streamed unless dataset_streaming is "false"."""
+
+    path: str
+    config: str | None = None
+    split: str | None = None  # None: the dataset_split argument decides
+    text_column: str = "text"
+
+
+DATASETS: dict[str, HubDataset | None] = {
+    "python_stdlib": None,  # embedded: the stdlib corpus minus the held-out 2%
+    "python_stdlib_val": None,  # embedded: exactly the held-out 2%
+    "c4": HubDataset("allenai/c4", "en"),
+    "c4_validation": HubDataset("allenai/c4", "en", "validation"),
+    "fineweb-edu": HubDataset("HuggingFaceFW/fineweb-edu", "sample-10BT"),
 }
 
 
-def _lookup(name: str) -> Callable[[], Iterator[str]]:
-    if name not in DATASETS:
-        raise ValueError(f"training.dataset: unknown dataset '{name}'; known: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name]
+def build_document_source(
+    *, dataset: str, dataset_path: str, text_column: str = "text", split: str = "train",
+    streaming: str = "auto", cache_dir: str | None = None, key_prefix: str = "training",
+) -> DocumentSource:  # fmt: skip
+    """The source for `<key_prefix>.dataset` / `.dataset_path`, checked down to its first document.
+
+    An empty dataset_path selects the registry entry `dataset`; otherwise dataset_path is a local
+    file, folder or glob, or a hub name ("owner/name[:config]"), and `dataset` only labels messages.
+    text_column applies to dataset_path data; registry entries know their own column.
+    """
+    from torchtitan.data import hf_sources  # here, not at the top: it imports DocumentSource from us
+
+    p = key_prefix
+    mode = str(streaming).strip().lower()
+    if mode not in ("auto", "true", "false"):
+        raise ValueError(f"{p}.dataset_streaming: must be auto, true or false, got {streaming!r}")
+    if dataset_path:
+        source = hf_sources.build_path_source(dataset_path, text_column, split, mode, cache_dir, p)
+    elif dataset not in DATASETS:
+        raise ValueError(f"{p}.dataset: unknown dataset '{dataset}'; known: {', '.join(sorted(DATASETS))}")
+    elif (entry := DATASETS[dataset]) is None:
+        source = _StdlibSource(dataset, p, _stdlib_split(held_out=dataset.endswith("_val")))
+    else:
+        source = hf_sources.build_hub_source(dataset, entry.path, entry.config, entry.split or split,
+                                             entry.text_column, mode, cache_dir, p, "dataset")  # fmt: skip
+    _require_a_document(source, "dataset_path" if dataset_path else "dataset")
+    return source
+
+
+def _require_a_document(source: DocumentSource, key: str) -> None:
+    """Fail at build time, not in a worker mid-run, when nothing in the source is usable text."""
+    for _ in source.iter_documents(0):
+        return
+    raise ValueError(f"{source.key_prefix}.{key}: '{source.name}' has no usable documents "
+                     f"({source.skipped_documents} records, all empty or not text)")  # fmt: skip
 
 
 def iter_documents(name: str) -> Iterator[str]:
-    """A fresh iterator over the documents of dataset `name`, in its fixed order.
-
-    Not a generator function itself, so an unknown name raises here rather than on first next().
-    """
-    return _lookup(name)()
+    """The texts of registry dataset `name` (compatibility helper; new code uses a DocumentSource)."""
+    source = build_document_source(dataset=name, dataset_path="")
+    return (text for _, text in source.iter_documents(0))
 
 
 def corpus_fingerprint(name: str) -> str:
-    """A short hash identifying the document list of `name` (used as the tokenizer-cache key).
+    """A short hash of registry dataset `name`'s document list (the tokenizer-cache key).
 
-    Built from the document keys and sizes plus the Python version, without reading file
-    contents, so it is cheap enough to compute on every start.
+    Built from document keys and sizes plus the Python version, without reading contents.
     """
-    _lookup(name)
+    if name not in DATASETS:
+        raise ValueError(f"training.dataset: unknown dataset '{name}'; known: {', '.join(sorted(DATASETS))}")
     h = hashlib.sha256()
     h.update(f"{name}\n{sys.implementation.name}-{platform.python_version()}\n".encode())
-    if name == "python_stdlib":
-        for source in _stdlib_sources():
+    if DATASETS[name] is None:
+        for source in _stdlib_split(held_out=name.endswith("_val")):
             h.update(f"{source.key}\t{source.size}\n".encode())
-    # Datasets registered later without a document list are identified by name and version only.
     return h.hexdigest()[:12]

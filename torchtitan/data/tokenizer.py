@@ -1,8 +1,11 @@
-"""Tokenizers: the default byte-level BPE trained on the embedded corpus, or a user's tokenizer.json.
+"""Tokenizers: the default byte-level BPE trained on the embedded corpus, a tokenizer.json, or tiktoken.
 
 The default is trained on first use and cached on disk keyed by the corpus fingerprint, so every
 later run (and every other rank on the machine) just loads it. Training is deterministic, so two
-machines with the same Python produce byte-identical tokenizer files.
+machines with the same Python produce byte-identical tokenizer files. Users point
+`model.tokenizer_path` at an HF tokenizer.json (`Tokenizer`) or at a tiktoken-format BPE file such
+as Llama 3's tokenizer.model (`TikTokenTokenizer`, in tiktoken_tokenizer.py); both implement
+`BaseTokenizer`, which is all the data pipeline relies on.
 """
 
 from __future__ import annotations
@@ -12,16 +15,20 @@ import json
 import os
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from torchtitan.data.datasets import corpus_fingerprint, iter_documents
+from torchtitan.data.datasets import build_document_source, corpus_fingerprint
 from torchtitan.tools.logging import logger
 
-__all__ = ["BOS_TOKEN", "EOS_TOKEN", "DEFAULT_VOCAB_SIZE", "Tokenizer", "build_tokenizer", "default_cache_dir"]
+__all__ = [
+    "BOS_TOKEN", "EOS_TOKEN", "DEFAULT_VOCAB_SIZE", "BaseTokenizer", "Tokenizer", "build_tokenizer",
+    "default_cache_dir",
+]  # fmt: skip
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -50,8 +57,45 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-class Tokenizer:
-    """A `tokenizers.Tokenizer` plus the BOS/EOS ids the data pipeline needs.
+class BaseTokenizer(ABC):
+    """What the data pipeline needs: ids for text, text for ids, and the document-boundary tokens.
+
+    vocab_size covers every id the tokenizer can emit (the model's embedding must be at least that
+    big). Subclasses set path, vocab_size, bos_id and eos_id, and must pickle (dataloader workers
+    each get a copy). Text that merely spells a special token is encoded as plain text: only the
+    data pipeline inserts BOS/EOS, so documents cannot forge their own boundaries.
+    """
+
+    path: Path | str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        ids = self._encode_text(text)
+        if add_bos:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    @abstractmethod
+    def _encode_text(self, text: str) -> list[int]:
+        """The ids of `text`, no BOS/EOS added, special-token spellings treated as text."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; special tokens appear as their names, so packed data shows boundaries."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(path={str(self.path)!r}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id})"
+        )
+
+
+class Tokenizer(BaseTokenizer):
+    """A `tokenizers.Tokenizer` (an HF tokenizer.json) plus the BOS/EOS ids the data pipeline needs.
 
     bos_token/eos_token name the special tokens explicitly; when omitted, the first well-known
     name present in the vocabulary is used.
@@ -74,6 +118,12 @@ class Tokenizer:
         # Added tokens may sit above a gap in the id space; the embedding must cover the max id.
         self.vocab_size = max(self.backend.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
 
+    def __setstate__(self, state: dict) -> None:
+        # A tokenizers.Tokenizer pickles as its JSON, which does not record encode_special_tokens:
+        # without this, dataloader workers would turn spelled-out special tokens into real ones.
+        self.__dict__.update(state)
+        self.backend.encode_special_tokens = True
+
     def _resolve(self, kind: str, name: str | None, candidates: Sequence[str]) -> int:
         if name is not None:
             token_id = self.backend.token_to_id(name)
@@ -89,25 +139,13 @@ class Tokenizer:
             f"name it as {kind.lower()}_token in a tokenizer_config.json next to it)"
         )
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+    def _encode_text(self, text: str) -> list[int]:
         # add_special_tokens=False: a loaded tokenizer.json may carry a post-processor that adds
-        # its own BOS; we add BOS/EOS ourselves so the result is the same for every tokenizer.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos:
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
+        # its own BOS; the base class adds BOS/EOS so the result is the same for every tokenizer.
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        # Special tokens are kept in the text so decode shows document boundaries in packed data.
         return self.backend.decode(list(ids), skip_special_tokens=False)
-
-    def __repr__(self) -> str:
-        return (
-            f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size}, "
-            f"bos_id={self.bos_id}, eos_id={self.eos_id})"
-        )
 
 
 def _special_name(value: object, config_path: Path, key: str) -> str | None:
@@ -146,7 +184,7 @@ def _load_user_tokenizer(tokenizer_path: str) -> Tokenizer:
 def _training_sample(dataset: str, max_bytes: int) -> Iterator[str]:
     """The corpus's first documents (in its fixed shuffled order) up to about max_bytes of UTF-8."""
     used = 0
-    for doc in iter_documents(dataset):
+    for _, doc in build_document_source(dataset=dataset, dataset_path="").iter_documents():
         if used >= max_bytes:
             return
         used += len(doc.encode("utf-8"))
@@ -209,14 +247,34 @@ def _train_and_save(target: Path) -> None:
     logger.info(f"Trained tokenizer in {time.perf_counter() - start:.1f}s")
 
 
-def build_tokenizer(tokenizer_path: str, cache_dir: str | os.PathLike) -> Tokenizer:
+def build_tokenizer(tokenizer_path: str, cache_dir: str | os.PathLike) -> BaseTokenizer:
     """The tokenizer for `model.tokenizer_path`.
 
     "" means the default: a byte-level BPE with DEFAULT_VOCAB_SIZE tokens trained on the
-    python_stdlib corpus and cached under `<cache_dir>/tokenizers/`. Otherwise a tokenizer.json
-    file, or a directory holding tokenizer.json (and optionally tokenizer_config.json naming
-    bos_token/eos_token).
+    python_stdlib corpus and cached under `<cache_dir>/tokenizers/`. Otherwise an HF tokenizer.json
+    (a .json file, or a folder holding tokenizer.json and optionally tokenizer_config.json naming
+    bos_token/eos_token), or a tiktoken BPE file (a .model or .tiktoken file, or a folder holding
+    tokenizer.model and no tokenizer.json). tiktoken files may also be gs://, az:// or https:// URLs.
     """
     if tokenizer_path == "":
         return _build_default(Path(cache_dir).expanduser())
-    return _load_user_tokenizer(tokenizer_path)
+    from torchtitan.data.tiktoken_tokenizer import TIKTOKEN_SUFFIXES, TikTokenTokenizer
+
+    if "://" in tokenizer_path:  # remote: read through blobfile, tiktoken files only
+        if tokenizer_path.endswith(TIKTOKEN_SUFFIXES):
+            return TikTokenTokenizer(tokenizer_path)
+        raise ValueError(f"model.tokenizer_path: {tokenizer_path}: remote paths must name a tiktoken "
+                         f".model/.tiktoken file (copy a tokenizer.json to a local path)")  # fmt: skip
+    path = Path(tokenizer_path).expanduser()
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return _load_user_tokenizer(str(path))
+        if (path / "tokenizer.model").is_file():
+            return TikTokenTokenizer(str(path / "tokenizer.model"))
+        raise FileNotFoundError(f"model.tokenizer_path: {path} holds neither tokenizer.json nor tokenizer.model")
+    if path.suffix == ".json" or not path.exists():
+        return _load_user_tokenizer(str(path))  # a missing file is reported there, by name
+    if path.name.endswith(TIKTOKEN_SUFFIXES):
+        return TikTokenTokenizer(str(path))
+    raise ValueError(f"model.tokenizer_path: {path}: unsupported tokenizer file (use a tokenizer.json, a "
+                     f"tiktoken .model/.tiktoken file, or a folder holding one)")  # fmt: skip

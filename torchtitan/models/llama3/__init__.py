@@ -1,6 +1,7 @@
 """Llama 3 / 3.1 / 3.2 dense decoder."""
 
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors
+from torchtitan.models.llama3.hf_adapter import Llama3StateDictAdapter
 from torchtitan.models.llama3.model import Transformer, get_nparams_and_flops
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.registry import ModelSpec, register_model_spec
@@ -12,7 +13,8 @@ register_model_spec(
         model_cls=Transformer,
         parallelize_fn=parallelize_llama,
         nparams_and_flops_fn=get_nparams_and_flops,
+        state_dict_adapter=Llama3StateDictAdapter,
     )
 )
 
-__all__ = ["Transformer", "TransformerModelArgs", "llama3_flavors", "parallelize_llama"]
+__all__ = ["Llama3StateDictAdapter", "Transformer", "TransformerModelArgs", "llama3_flavors", "parallelize_llama"]

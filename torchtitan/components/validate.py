@@ -1,0 +1,83 @@
+"""Periodic validation: loss and perplexity over a held-out dataset, under any data-parallel layout.
+
+Every evaluation starts a fresh one-pass loader over the same documents, so the numbers of different steps
+compare. The finite loader pads the last global batch so that every rank runs the same number of forward
+passes (FSDP gathers parameters inside forward: a rank with one batch fewer would hang the others).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
+from torchtitan.config.job_config import JobConfig
+from torchtitan.data.dataloader import build_dataloader
+from torchtitan.data.datasets import build_document_source
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import logger
+
+
+def validation_shape(cfg: JobConfig) -> tuple[int, int]:
+    """(local batch size, seq_len) of validation, resolving -1 to the training values."""
+    v, t = cfg.validation, cfg.training
+    return (t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size,
+            t.seq_len if v.seq_len == -1 else v.seq_len)
+
+
+class Validator:
+    def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, loss_mesh, device: torch.device,
+                 cache_dir: str | None = None):
+        self.cfg, self.tokenizer, self.loss_mesh, self.device = cfg, tokenizer, loss_mesh, device
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.local_batch_size, self.seq_len = validation_shape(cfg)
+        # Built now, so a missing file or column fails before the first training step.
+        self.source = build_document_source(
+            dataset=cfg.validation.dataset,
+            dataset_path=cfg.validation.dataset_path,
+            text_column=cfg.validation.dataset_text_column,
+            split=cfg.validation.dataset_split,
+            streaming=cfg.validation.dataset_streaming,
+            cache_dir=cache_dir,
+            key_prefix="validation",
+        )
+
+        # One finite loader for the whole run: each iter() is a fresh full pass over the same documents.
+        self.loader = build_dataloader(
+            source=self.source,
+            tokenizer=tokenizer,
+            seq_len=self.seq_len,
+            local_batch_size=self.local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            infinite=False,
+        )
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module, autocast) -> dict[str, float]:
+        loader = self.loader
+        model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        batches = 0
+        for inputs, labels in loader:
+            if self.cfg.validation.steps != -1 and batches >= self.cfg.validation.steps:
+                break  # every rank yields the same number of batches, so all stop together
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with autocast:
+                logits = model(inputs)
+            loss_sum += cross_entropy_sum(logits, labels)
+            tokens += count_target_tokens(labels)
+            batches += 1
+        model.train()
+        total_loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum")
+        total_tokens = dist_utils.all_reduce(tokens, self.loss_mesh, "sum")
+        if int(total_tokens) == 0:
+            raise ValueError("validation: the validation data produced no target tokens")
+        loss = (total_loss / total_tokens).item()
+        logger.info(f"validation: loss {loss:.4f}  perplexity {math.exp(min(loss, 50.0)):.2f}  "
+                    f"({int(total_tokens):,} tokens, {batches} batches per rank)")
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_tokens": int(total_tokens)}
+
