@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger
@@ -24,6 +25,7 @@ from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import init_logger, logger
@@ -104,6 +106,17 @@ class Trainer:
             save_for_all_ranks=cfg.metrics.save_for_all_ranks,
             run_config=to_dict(cfg),
         )
+        # Resume (or initial weights) last: everything a checkpoint restores must exist first.
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, dump_folder=self.dump_folder, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.train_state,
+            model_args=model_args, world_size=parallel_dims.world_size, rank=self.rank,
+        )
+        if not cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.load()
+        self.first_step = self.train_state.step + 1
+        self.stop_signal = PreemptionFlag(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else "none")
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
@@ -153,25 +166,32 @@ class Trainer:
         gc.collect(1)
         window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
         self.memory.reset_peak()
-        for step in range(1, cfg.steps + 1):
+        for step in range(self.train_state.step + 1, cfg.steps + 1):
             t = time.perf_counter()
             microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
             data_wait += time.perf_counter() - t
             loss_sum, local_tokens, global_tokens, grad_norm = self.train_step(microbatches)
+            self.train_state.step = step
+            self.train_state.tokens_seen += int(global_tokens)
             window_tokens += int(local_tokens)
-            if step == 1:
+            if step == self.first_step:
                 dist_utils.set_pg_timeout(self.cfg.comm.train_timeout_seconds)
             if step % cfg.gc_freq == 0:
                 gc.collect(1)
             validation = {}
             if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
                 validation = self.validator.validate(self.model, self.autocast)
-            if step == 1 or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
+            if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
                 self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, window_tokens / elapsed,
                           100.0 * data_wait / elapsed, validation)
                 window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
                 self.memory.reset_peak()
+            stop = self.stop_signal.agreed(self.device)
+            self.checkpointer.maybe_save(step, last_step=step == cfg.steps, force=stop)
+            if stop:
+                logger.info(f"{self.stop_signal.name} received: checkpoint saved after step {step}; exiting")
+                return
         logger.info(f"training finished after {cfg.steps} steps")
 
     def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float,
@@ -188,12 +208,15 @@ class Trainer:
             "tflops": round(tflops, 3),
             "mfu": None if self.peak_flops is None else round(100.0 * tflops * 1e12 / self.peak_flops, 2),
             "data_wait_pct": round(data_pct, 2),
+            "tokens_seen": self.train_state.tokens_seen,
             **self.memory.snapshot(),
             **validation,
         })
 
     def close(self) -> None:
+        self.checkpointer.close()  # waits for an async save to complete (its marker is written last)
         self.metrics.close()
+        self.dataloader.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_args(argv)
         parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
         _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+        if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+            raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1), not {world_size}")
     except ConfigError as e:
         # Every rank reports (torchrun shows LOG_RANK's output) and records the error for the launcher's
         # summary: whichever rank exits first gets the others killed, possibly before they print.
@@ -222,7 +247,10 @@ def main(argv: list[str] | None = None) -> None:
         dist_utils.record_failure(e)
         dist_utils.exit_process(1)
     try:
-        trainer.train()
+        if cfg.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.save_seed_checkpoint()
+        else:
+            trainer.train()
         trainer.close()
     except BaseException as e:  # noqa: BLE001
         logger.exception(f"rank {rank}: training failed")

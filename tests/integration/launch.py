@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,8 +27,7 @@ class RunResult:
         return [m["loss"] for m in self.metrics()]
 
 
-def run_train(nproc: int, args: list[str] | tuple[str, ...], dump_folder: Path, cache_dir: Path,
-              timeout: int = 240, extra_env: dict[str, str] | None = None) -> RunResult:
+def _command_and_env(nproc: int, args, dump_folder: Path, cache_dir: Path, extra_env: dict[str, str] | None):
     env = dict(os.environ)
     env.update({
         "NGPU": str(nproc),
@@ -44,6 +44,42 @@ def run_train(nproc: int, args: list[str] | tuple[str, ...], dump_folder: Path, 
     env.update(extra_env or {})
     cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder),
            "--comm.init_timeout_seconds", "90", "--comm.train_timeout_seconds", "60", *args]
+    return cmd, env
+
+
+def start_train(nproc: int, args, dump_folder: Path, cache_dir: Path, log_path: Path,
+                extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Launch in the background (own process group, output to log_path) for signal and kill tests."""
+    cmd, env = _command_and_env(nproc, args, dump_folder, cache_dir, extra_env)
+    log = open(log_path, "w")  # noqa: SIM115 - the child owns it until it exits
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a process and every descendant. torchrun starts each rank in a session of its own, so
+    killing the launcher's process group alone would leave the ranks running as orphans."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def run_train(nproc: int, args: list[str] | tuple[str, ...], dump_folder: Path, cache_dir: Path,
+              timeout: int = 240, extra_env: dict[str, str] | None = None) -> RunResult:
+    cmd, env = _command_and_env(nproc, args, dump_folder, cache_dir, extra_env)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:

@@ -491,6 +491,16 @@ INVALID_VALUES = [
     (["--parallelism.context_parallel_degree", "-1"], "parallelism.context_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
     (["--parallelism.expert_tensor_parallel_degree", "0"], "parallelism.expert_tensor_parallel_degree"),
+    # checkpoint
+    (["--checkpoint.async_mode", "threads"], "checkpoint.async_mode"),
+    (["--checkpoint.export_dtype", "float16"], "checkpoint.export_dtype"),
+    (["--checkpoint.save_on_signal", "SIGKILL"], "checkpoint.save_on_signal"),
+    (["--checkpoint.interval", "0"], "checkpoint.interval"),
+    (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k"),
+    (["--checkpoint.load_step", "-2"], "checkpoint.load_step"),
+    (["--checkpoint.exclude_from_loading", "optim"], "checkpoint.exclude_from_loading"),
+    (["--checkpoint.initial_load_in_hf"], "checkpoint.initial_load_in_hf"),
+    (["--checkpoint.create_seed_checkpoint"], "checkpoint.create_seed_checkpoint"),
     # activation checkpoint choice
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode"),
     # metrics / comm
@@ -509,8 +519,6 @@ NOT_AVAILABLE = [
     (["--model.converters", "float8"], "model.converters"),
     (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
-    (["--checkpoint.enable"], "checkpoint.enable"),
-    (["--checkpoint.create_seed_checkpoint"], "checkpoint.create_seed_checkpoint"),
     (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode"),
     (["--activation_checkpoint.mode", "full"], "activation_checkpoint.mode"),
     (["--compile.enable"], "compile.enable"),

@@ -142,7 +142,7 @@ class Parallelism:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    """Save and resume checkpoints (not available yet)"""
+    """Save checkpoints and resume from the newest complete one in folder"""
     folder: str = "checkpoint"
     """Checkpoint folder inside job.dump_folder"""
     interval: int = 500
@@ -171,6 +171,8 @@ class Checkpoint:
     """Write an initial checkpoint on one process and exit"""
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1"""
+    save_on_signal: str = "SIGTERM"
+    """Signal that makes every rank save a checkpoint after the current step and exit: SIGTERM | SIGUSR1 | none"""
 
 
 @dataclass

@@ -36,6 +36,7 @@ def check_values(cfg: JobConfig) -> None:
     _check_training(cfg)
     _check_parallelism(cfg)
     _check_unavailable(cfg)
+    _check_checkpoint(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
@@ -147,10 +148,6 @@ def _check_unavailable(cfg: JobConfig) -> None:
         _not_yet("optimizer.early_step_in_backward", "stepping in backward")
     if cfg.training.enable_cpu_offload:
         _not_yet("training.enable_cpu_offload", "CPU offload")
-    if cfg.checkpoint.enable:
-        _not_yet("checkpoint.enable", "checkpointing")
-    if cfg.checkpoint.create_seed_checkpoint:
-        _not_yet("checkpoint.create_seed_checkpoint", "checkpointing")
     _one_of("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "selective", "full"))
     if cfg.activation_checkpoint.mode != "none":
         _not_yet("activation_checkpoint.mode", f"activation checkpointing ('{cfg.activation_checkpoint.mode}')")
@@ -162,3 +159,23 @@ def _check_unavailable(cfg: JobConfig) -> None:
         _not_yet("profiling.enable_memory_snapshot", "memory snapshots")
     if cfg.memory_estimation.enable:
         _not_yet("memory_estimation.enable", "memory estimation")
+
+
+def _check_checkpoint(cfg: JobConfig) -> None:
+    c = cfg.checkpoint
+    _one_of("checkpoint.async_mode", c.async_mode, ("disabled", "async", "async_with_pinned_mem"))
+    _one_of("checkpoint.export_dtype", c.export_dtype, ("float32", "bfloat16"))
+    _one_of("checkpoint.save_on_signal", c.save_on_signal, ("SIGTERM", "SIGUSR1", "none"))
+    _positive("checkpoint.interval", c.interval)
+    if c.keep_latest_k < 0:
+        _err(f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {c.keep_latest_k}")
+    if c.load_step < -1:
+        _err(f"checkpoint.load_step: must be -1 (newest complete) or a step >= 0, got {c.load_step}")
+    unknown = set(c.exclude_from_loading) - {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
+    if unknown:
+        _err(f"checkpoint.exclude_from_loading: unknown entries {sorted(unknown)}; known: model, optimizer, "
+             "lr_scheduler, dataloader, train_state, rng")
+    if c.initial_load_in_hf and not c.initial_load_path:
+        _err("checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
+    if c.create_seed_checkpoint and not c.enable:
+        _err("checkpoint.create_seed_checkpoint: needs checkpoint.enable = true (the seed goes into checkpoint.folder)")

@@ -1,0 +1,158 @@
+"""Convert model weights between DCP checkpoints, Hugging Face safetensors folders and single .pt files.
+
+    python scripts/convert_checkpoint.py dcp-to-hf <step folder> <out folder> --flavor debugmodel [--model llama3]
+                                                   [--dtype bfloat16]
+    python scripts/convert_checkpoint.py hf-to-dcp <hf folder> <out step folder> [--model llama3 --flavor 8B]
+    python scripts/convert_checkpoint.py dcp-to-pt <step folder> <out.pt>
+
+Runs on one process, no GPU or process group needed. Only model weights are converted (never optimizer
+state). A DCP folder is read from its own metadata, so any layout it was saved with (FSDP, DDP, one
+process) and any dtype work. `hf-to-dcp` writes a model-only checkpoint with a completion marker that
+`checkpoint.initial_load_path` (or a run's own checkpoint folder) can load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# Runnable as a plain script from a checkout: make the package importable without installing it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.components import checkpoint_io as cio  # noqa: E402
+from torchtitan.components.hf_io import load_hf, save_hf  # noqa: E402
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ConvertError(Exception):
+    pass
+
+
+def _model_args(model: str, flavor: str):
+    from torchtitan.models.registry import get_model_spec
+
+    try:
+        spec = get_model_spec(model)
+    except KeyError as e:
+        raise ConvertError(f"--model: {e.args[0]}") from None
+    if flavor not in spec.flavors:
+        raise ConvertError(f"--flavor: unknown '{flavor}' for {model}; known: {', '.join(sorted(spec.flavors))}")
+    return spec, spec.flavors[flavor]
+
+
+def _read_dcp(folder: Path) -> dict[str, torch.Tensor]:
+    if not folder.is_dir():
+        raise ConvertError(f"{folder}: not a folder")
+    if not (folder / cio.METADATA).is_file():
+        raise ConvertError(f"{folder}: no {cio.METADATA}; not a DCP checkpoint, or its save never finished")
+    if cio.read_marker(folder) is None:
+        # DCP writes .metadata after every shard, so the tensors are all there; only our marker is missing.
+        print(f"warning: {folder} has no valid {cio.MARKER} marker (not published by a run); converting anyway",
+              file=sys.stderr)
+    try:
+        return cio.load_full_model_state(folder)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        raise ConvertError(f"{folder}: cannot read the checkpoint: {' '.join(str(e).split())[:300]}") from e
+
+
+def _check_against_model(sd: dict[str, torch.Tensor], spec, args, where: str) -> None:
+    """Names and shapes must be exactly those of the registry's model, built on meta (no memory)."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings and "output.weight" not in sd:
+        expected.pop("output.weight", None)
+    for key, shape in expected.items():
+        if key not in sd:
+            raise ConvertError(f"{where}: missing '{key}' for this --model/--flavor")
+        if tuple(sd[key].shape) != shape:
+            raise ConvertError(f"{where}: '{key}' has shape {tuple(sd[key].shape)}, --flavor expects {shape}")
+    extra = sorted(set(sd) - set(expected))
+    if extra:
+        raise ConvertError(f"{where}: unexpected '{extra[0]}' for this --model/--flavor")
+
+
+def dcp_to_hf(ns: argparse.Namespace) -> None:
+    spec, args = _model_args(ns.model, ns.flavor)
+    src = Path(ns.src)
+    sd = _read_dcp(src)
+    _check_against_model(sd, spec, args, str(src))
+    out = save_hf(ns.out, sd, args, dtype=ns.dtype)
+    print(f"wrote {out} ({len(sd)} tensors, {ns.dtype})")
+
+
+def hf_to_dcp(ns: argparse.Namespace) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    args = None
+    if ns.flavor:
+        _, args = _model_args(ns.model, ns.flavor)
+    sd, args = load_hf(ns.src, args)  # with args: config.json must match the flavor
+    out = Path(ns.out)
+    if out.exists():
+        raise ConvertError(f"{out}: already exists; remove it or pick another folder")
+    dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+    name = out.name
+    step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else 0
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()})
+    cio.write_marker(out, {"step": step, "world_size": 1, "model_only": True, "dtype": "/".join(dtypes),
+                           "source": str(Path(ns.src).resolve())})
+    print(f"wrote {out} ({len(sd)} tensors, model only)")
+
+
+def dcp_to_pt(ns: argparse.Namespace) -> None:
+    sd = _read_dcp(Path(ns.src))
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(sd, tmp)  # a dict of plain tensors: loadable with torch.load(..., weights_only=True)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {out} ({len(sd)} tensors)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("dcp-to-hf", help="DCP step folder -> Hugging Face safetensors folder")
+    a.add_argument("src", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-1000")
+    a.add_argument("out", help="output folder (replaced atomically if it exists)")
+    a.add_argument("--model", default="llama3")
+    a.add_argument("--flavor", required=True)
+    a.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    a.set_defaults(fn=dcp_to_hf)
+    b = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> model-only DCP step folder")
+    b.add_argument("src", help="folder with config.json and *.safetensors")
+    b.add_argument("out", help="new DCP folder, e.g. seed/step-0")
+    b.add_argument("--model", default="llama3")
+    b.add_argument("--flavor", default=None, help="if given, config.json must match this flavor")
+    b.set_defaults(fn=hf_to_dcp)
+    c = sub.add_parser("dcp-to-pt", help="DCP step folder -> one torch.save file of model weights")
+    c.add_argument("src")
+    c.add_argument("out")
+    c.set_defaults(fn=dcp_to_pt)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.fn(ns)
+    except (ConvertError, ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""Save and resume the whole training state with torch.distributed.checkpoint (DCP).
+
+A full checkpoint `<dump_folder>/<checkpoint.folder>/step-<N>/` holds, under these top-level keys:
+  model         every rank's shards of the model (FQN -> tensor/DTensor), `get_model_state_dict`
+  optimizer     `get_optimizer_state_dict` (sharded moments keyed by FQN, param_groups as plain data)
+  lr_scheduler  the scheduler's `state_dict()` (plain data)
+  dataloader    the data cursor (plain ints, equal on every rank)
+  train_state   {step, tokens_seen}
+  rng           {"rank<r>": {"cpu": ..., "cuda": ...}}: each rank's generators under its own key, restored
+                only when resuming with the same world size
+Model-only checkpoints (the seed checkpoint, the final save with `last_save_model_only`) hold just `model`.
+Everything besides tensors is plain data, checked before saving and read back with `weights_only=True`.
+
+Completion, retention and the marker format are described in `checkpoint_io`. Saves, loads and their
+barriers run on a dedicated gloo process group: a background save's collectives then never interleave
+with the training's collectives on the default group, and async saves get the CPU backend DCP requires.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtitan.components import checkpoint_io as cio
+from torchtitan.components.checkpoint_io import CheckpointError, checkpoint_step_folders
+from torchtitan.config.job_config import Checkpoint
+from torchtitan.tools.logging import logger
+
+__all__ = ["ASYNC_MODES", "CheckpointError", "CheckpointManager", "TrainState", "checkpoint_step_folders"]
+
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainState:
+    """Where the run stands: optimizer steps taken and training tokens consumed (global)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self.step), "tokens_seen": int(self.tokens_seen)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+class CheckpointManager:
+    """Owns `<dump_folder>/<cfg.folder>`: `load()` once after setup, `maybe_save(step)` after every step,
+    `close()` before exit. optimizer, lr_scheduler and dataloader may be None (their state is skipped)."""
+
+    def __init__(self, cfg: Checkpoint, *, dump_folder: str | Path, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, dataloader: Any,
+                 train_state: TrainState, model_args: Any, world_size: int, rank: int) -> None:
+        if cfg.async_mode not in ASYNC_MODES:
+            raise ValueError(f"checkpoint.async_mode: unknown '{cfg.async_mode}'; use one of {', '.join(ASYNC_MODES)}")
+        if cfg.export_dtype not in _DTYPES:
+            raise ValueError(f"checkpoint.export_dtype: unknown '{cfg.export_dtype}'; use float32 or bfloat16")
+        if cfg.enable and cfg.interval <= 0:
+            raise ValueError(f"checkpoint.interval must be positive, got {cfg.interval}")
+        if cfg.keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {cfg.keep_latest_k}")
+        unknown = sorted(set(cfg.exclude_from_loading) - set(cio.STATE_KEYS))
+        if unknown:
+            raise ValueError(f"checkpoint.exclude_from_loading: unknown '{unknown[0]}'; "
+                             f"known: {', '.join(cio.STATE_KEYS)}")
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.dataloader, self.train_state, self.model_args = dataloader, train_state, model_args
+        self.world_size, self.rank = world_size, rank
+        distributed = dist.is_available() and dist.is_initialized()
+        needed = cfg.enable or bool(cfg.initial_load_path) or cfg.create_seed_checkpoint
+        # new_group is collective: every rank builds the manager with the same config, so all agree.
+        self._pg = dist.new_group(backend="gloo") if distributed and needed else None
+        self._mode = cfg.async_mode
+        if self._mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+            logger.info("checkpoint.async_mode=async_with_pinned_mem: no CUDA device, nothing to pin; "
+                        "saving as 'async'")
+            self._mode = "async"
+        self._writer: Any = None  # pinned mode: one writer reused, so its pinned staging buffers are allocated once
+        # One worker: publishes the marker after a background save, then applies retention. Saves wait for it,
+        # so a purge never runs while a save is writing.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future | None = None
+        self._last_saved: int | None = None
+
+    # ------------------------------------------------------------------ loading
+    def load(self) -> bool:
+        """Resume from this run's newest (or `load_step`) complete checkpoint, else initialise from
+        `initial_load_path`. Returns whether anything was loaded."""
+        cfg = self.cfg
+        if cfg.enable:
+            target = cio.resume_target(self.folder, cfg.load_step)
+            if target is not None:
+                wanted = set(cio.STATE_KEYS) - set(cfg.exclude_from_loading)
+                self._load_dcp(target, wanted)
+                return True
+        if cfg.initial_load_path:
+            path = Path(cfg.initial_load_path)
+            if not path.is_dir():
+                raise FileNotFoundError(f"checkpoint.initial_load_path: {path} is not a folder")
+            if cfg.initial_load_in_hf:
+                self._load_hf(path)
+                return True
+            if not (path / cio.METADATA).is_file():
+                raise FileNotFoundError(f"checkpoint.initial_load_path: {path} has no DCP .metadata (an incomplete "
+                                        "save, or a Hugging Face folder: set checkpoint.initial_load_in_hf)")
+            if cio.read_marker(path) is None:  # e.g. written by another tool; DCP writes .metadata last
+                logger.warning(f"checkpoint.initial_load_path: {path} has no {cio.MARKER} marker; loading it "
+                               "because DCP's .metadata (written after every shard) is present")
+            wanted = {"model"} if cfg.initial_load_model_only else set(cio.STATE_KEYS) - set(cfg.exclude_from_loading)
+            self._load_dcp(path, wanted)
+            return True
+        return False
+
+    def _load_dcp(self, path: Path, wanted: set[str]) -> None:
+        t0 = time.perf_counter()
+        info = cio.read_marker(path) or {}
+        md = cio.read_metadata(path)
+        present = {key.split(".", 1)[0] for key in md.state_dict_metadata}
+        flat_model = cio.model_prefix(md) == ""  # a model-only folder written by another tool
+        if info.get("model_only") and info.get("step", 0) > 0 and "optimizer" in wanted:
+            logger.warning(f"checkpoint: {path} holds model weights only (a final save): optimizer, LR schedule, "
+                           "data position and step start fresh; set checkpoint.load_step to resume a full one")
+        state: dict[str, Any] = {}
+        if "model" in wanted:
+            msd = get_model_state_dict(self.model)
+            if flat_model:
+                state.update(msd)
+            else:
+                state["model"] = msd
+        if "optimizer" in wanted and "optimizer" in present and self.optimizer is not None:
+            # Only now: on a fresh optimizer this initialises its state (a zero-LR step).
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if "lr_scheduler" in wanted and "lr_scheduler" in present and self.lr_scheduler is not None:
+            state["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
+        if "dataloader" in wanted and "dataloader" in present and self.dataloader is not None:
+            state["dataloader"] = dict(self.dataloader.state_dict())
+        if "train_state" in wanted and "train_state" in present:
+            state["train_state"] = self.train_state.state_dict()
+        if "rng" in wanted and "rng" in present:
+            mine = f"rng.rank{self.rank}."
+            saved = {k[len(mine):] for k in md.state_dict_metadata if k.startswith(mine)}
+            if info.get("world_size") == self.world_size and "cpu" in saved:
+                state["rng"] = {f"rank{self.rank}": {k: v for k, v in cio.rng_state().items() if k in saved}}
+            else:
+                logger.info(f"checkpoint: {path} was saved by {info.get('world_size', '?')} ranks, this run has "
+                            f"{self.world_size}: random generators are not restored")
+        skipped = [k for k in cio.STATE_KEYS if k != "model" and k not in state]
+        try:
+            dcp.load(state, checkpoint_id=str(path), planner=cio.SafeLoadPlanner(), process_group=self._pg,
+                     no_dist=self._pg is None)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint: loading {path} failed: {cio.one_line(e)}") from e
+
+        if "model" in wanted:
+            set_model_state_dict(self.model, state if flat_model else state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "dataloader" in state:
+            self.dataloader.load_state_dict(state["dataloader"])
+        if "train_state" in state:
+            self.train_state.load_state_dict(state["train_state"])
+        if "rng" in state:
+            cio.set_rng_state(state["rng"][f"rank{self.rank}"])
+        loaded = [k for k in cio.STATE_KEYS if k in state or (k == "model" and "model" in wanted)]
+        logger.info(f"checkpoint: loaded {', '.join(loaded)} from {path} (step {self.train_state.step}) "
+                    f"in {time.perf_counter() - t0:.2f}s")
+        if skipped:
+            logger.info(f"checkpoint: not restored (excluded or not in the checkpoint): {', '.join(skipped)}")
+
+    def _load_hf(self, path: Path) -> None:
+        from torchtitan.components.hf_io import load_hf
+
+        t0 = time.perf_counter()
+        # Only rank 0 reads the files and broadcasts each tensor into the others' shards: one copy of the
+        # full model in host memory per job instead of one per rank. This path works for FSDP2 DTensors on
+        # gloo and NCCL alike; every rank reading the full dict (full_state_dict without broadcast) works
+        # too, at world_size times the disk reads and host memory.
+        broadcast = self._pg is not None and self.world_size > 1
+        holder: dict[str, Any] = {}
+
+        def read() -> None:
+            holder["sd"], _ = load_hf(path, self.model_args)
+
+        self._on_rank0(read, f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}")
+        sd = holder.get("sd", {})
+        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=broadcast))
+        logger.info(f"checkpoint: loaded model weights from Hugging Face folder {path} "
+                    f"in {time.perf_counter() - t0:.2f}s")
+
+    # ------------------------------------------------------------------ saving
+    def maybe_save(self, step: int, *, last_step: bool = False, force: bool = False) -> None:
+        """Save if this step is due (interval, first step, last step) or `force`d (e.g. on SIGTERM).
+
+        With async_mode, returns once the state is staged; the files are written in the background.
+        """
+        cfg = self.cfg
+        if not cfg.enable or step == self._last_saved:
+            return
+        due = force or last_step or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint)
+        if not due:
+            return
+        if last_step and cfg.last_save_model_only:
+            self._save(step, model_only=True, dtype=cfg.export_dtype)
+        else:
+            self._save(step, model_only=False)
+        if last_step and cfg.last_save_in_hf:
+            self._export_hf(step)
+
+    def save_seed_checkpoint(self) -> None:
+        """`step-0` with the freshly initialised model only, written by a 1-process run."""
+        if self.world_size != 1:
+            raise ValueError("checkpoint.create_seed_checkpoint: run it on 1 process "
+                             f"(world size is {self.world_size})")
+        self._save(0, model_only=True, dtype=None)
+        self.wait()
+
+    def _save(self, step: int, *, model_only: bool, dtype: str | None = None) -> None:
+        self.wait()  # one save at a time: the previous one is published (and purged) before this one starts
+        path = self.folder / f"step-{step}"
+        if self.rank == 0:
+            if path.exists():
+                logger.info(f"checkpoint: replacing existing {path}")
+                cio.remove_checkpoint(path)
+            path.mkdir(parents=True, exist_ok=True)
+        self._barrier()  # nobody writes into the folder before rank 0 cleared an old one of the same name
+        t0 = time.perf_counter()
+        state = self._model_state(dtype) if model_only else self._full_state()
+        info = {"step": step, "world_size": self.world_size, "model_only": model_only,
+                "dtype": dtype, "torch": torch.__version__}
+        self._last_saved = step
+        if self._mode != "disabled" and not model_only:
+            upload = self._start_async(state, path)
+            self._pending = self._executor.submit(self._finish_async, upload, path, info, t0)
+            logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f}s; writing {path} "
+                        "in the background")
+            return
+        # Model-only saves are the seed and the final save: the process exits right after, so they are
+        # written synchronously even in async mode.
+        try:
+            dcp.save(state, checkpoint_id=str(path), process_group=self._pg, no_dist=self._pg is None)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint: saving {path} failed: {cio.one_line(e)}") from e
+        self._barrier()  # every rank's dcp.save has returned: all shards and the .metadata are on disk
+        self._on_rank0(lambda: self._publish(path, info, t0), f"checkpoint: cannot publish {path}")
+        if self.rank == 0:
+            self._pending = self._executor.submit(self._purge, path)
+
+    def _full_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.lr_scheduler is not None:
+            # A copy: training mutates the scheduler while a background save is still reading its state.
+            state["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
+        if self.dataloader is not None:
+            state["dataloader"] = dict(self.dataloader.state_dict())
+        state["train_state"] = self.train_state.state_dict()
+        state["rng"] = {f"rank{self.rank}": cio.rng_state()}
+        for key in ("optimizer", "lr_scheduler", "dataloader", "train_state"):
+            if key in state:
+                cio.check_plain(state[key], key)
+        return state
+
+    def _model_state(self, dtype: str | None) -> dict[str, Any]:
+        sd = get_model_state_dict(self.model)
+        if dtype is not None:
+            sd = {k: v.detach().to(_DTYPES[dtype]) for k, v in sd.items()}
+        return {"model": sd}
+
+    def _start_async(self, state: dict[str, Any], path: Path) -> Future:
+        kwargs: dict[str, Any] = {}
+        if self._mode == "async_with_pinned_mem":
+            # FileSystemWriter is itself DCP's stager: with cache_staged_state_dict it copies the state into
+            # pinned CPU buffers allocated on the first save and reused afterwards (fast D2H copies).
+            if self._writer is None:
+                self._writer = dcp.FileSystemWriter(str(path), cache_staged_state_dict=True)
+            kwargs["storage_writer"] = self._writer
+        # No no_dist here (not in every supported torch): without a process group DCP infers it.
+        response = dcp.async_save(state, checkpoint_id=str(path), process_group=self._pg, **kwargs)
+        # torch >= 2.9 may return an AsyncSaveResponse (staging + upload futures) with custom stagers.
+        return getattr(response, "upload_completion", response)
+
+    def _finish_async(self, upload: Future, path: Path, info: dict[str, Any], t0: float) -> None:
+        # Runs on the checkpoint thread, never on the training thread.
+        try:
+            upload.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            message = f"checkpoint: background save of {path} failed: {cio.one_line(e)}"
+            logger.error(message)  # now, on the checkpoint thread; wait() re-raises it on the training thread
+            raise CheckpointError(message) from e
+        if self.rank == 0:
+            # Rank 0's DCP save returns only after it gathered every rank's write results and wrote
+            # .metadata, so every shard is on disk here: the marker goes last.
+            self._publish(path, info, t0)
+            self._purge(path)
+
+    def _publish(self, path: Path, info: dict[str, Any], t0: float) -> None:
+        cio.write_marker(path, {**info, "time": time.time()})
+        kind = f"model-only ({info['dtype'] or 'as trained'})" if info["model_only"] else "full"
+        logger.info(f"checkpoint: saved {kind} {path} in {time.perf_counter() - t0:.2f}s")
+
+    def _purge(self, just_saved: Path) -> None:
+        try:
+            cio.purge(self.folder, self.cfg.keep_latest_k, keep=just_saved)
+        except Exception as e:  # retention must never stop training
+            logger.warning(f"checkpoint: retention (checkpoint.keep_latest_k) failed: {cio.one_line(e)}")
+
+    def _export_hf(self, step: int) -> None:
+        from torchtitan.components.hf_io import save_hf
+
+        t0 = time.perf_counter()
+        # Collective: every rank contributes its shards, rank 0 receives the full tensors on CPU.
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out = self.folder / f"step-{step}-hf"
+        self._on_rank0(lambda: save_hf(out, full, self.model_args, dtype=self.cfg.export_dtype),
+                       f"checkpoint.last_save_in_hf: cannot write {out}")
+        logger.info(f"checkpoint: exported Hugging Face folder {out} in {time.perf_counter() - t0:.2f}s")
+
+    # ------------------------------------------------------------------ plumbing
+    def wait(self) -> None:
+        """Block until the pending save (if any) is written and published; re-raises its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            close = getattr(self._writer, "close", None)
+            if close is not None:
+                close()
+
+    def _barrier(self) -> None:
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
+
+    def _on_rank0(self, fn: Callable[[], object], what: str) -> None:
+        """Run `fn` on rank 0 and raise the same one-line error on every rank if it failed there, instead of
+        leaving the others waiting in their next collective."""
+        error = None
+        if self.rank == 0:
+            try:
+                fn()
+            except Exception as e:
+                error = f"{what}: {cio.one_line(e)}"
+        if self._pg is not None:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self._pg)
+            error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
