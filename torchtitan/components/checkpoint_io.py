@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from torchtitan.tools.fs import fsync_dir
 from torchtitan.tools.logging import logger
 
 # DCP warns on every save/load without a process group (a 1-process run, the conversion script), also when
@@ -62,20 +63,6 @@ def one_line(e: BaseException) -> str:
             causes.append(f"rank {rank}: {type(cause).__name__}: {' '.join(str(cause).split())[:200]}")
         return "; ".join(causes)
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
-def fsync_dir(path: Path) -> None:
-    # Renames and new entries are durable only once the directory itself is synced.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not every platform can open a directory; best effort
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_marker(folder: Path, info: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from torchtitan.models.llama3.hf_adapter import (
     check_args_match,
     hf_config,
 )
+from torchtitan.tools.fs import fsync_dir
 
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
@@ -66,19 +67,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms/filesystems cannot open directories; best effort only
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: object) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
@@ -101,7 +89,7 @@ def _publish(tmp: Path, folder: Path) -> None:
         old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(folder, old)
     os.replace(tmp, folder)
-    _fsync_dir(folder.parent)
+    fsync_dir(folder.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -150,7 +138,7 @@ def save_hf(
         if len(shards) > 1:
             _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(tmp / CONFIG_NAME, config)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _publish(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
