@@ -65,10 +65,12 @@ def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, tmp_path, tt_ca
         assert resumed[step] == straight[step], f"step {step}: {resumed[step]!r} != {straight[step]!r}"
 
 
-@pytest.mark.parametrize("nproc", [2, 1], ids=["fsdp2", "single_process"])
-def test_resume_on_another_layout_continues_the_curve(nproc, straight_fsdp4, tmp_path, tt_cache_dir):
+@pytest.mark.parametrize(("nproc", "extra"), [
+    (2, ()), (1, ()), (4, ("--parallelism.data_parallel_replicate_degree", "2")),
+], ids=["fsdp2", "single_process", "hsdp2x2"])
+def test_resume_on_another_layout_continues_the_curve(nproc, extra, straight_fsdp4, tmp_path, tt_cache_dir):
     _resume_from(straight_fsdp4, 10, tmp_path)
-    result = run_train(nproc, [*BASE, *_layout(nproc)], tmp_path, tt_cache_dir)
+    result = run_train(nproc, [*BASE, *_layout(nproc), *extra], tmp_path, tt_cache_dir)
     assert result.returncode == 0, result.output[-4000:]
     resumed, straight = _losses(tmp_path), _losses(straight_fsdp4)
     assert sorted(resumed) == list(range(11, STEPS + 1))
