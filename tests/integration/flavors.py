@@ -68,6 +68,13 @@ FLAVORS = [
     Flavor("ddp2", 2, ("--training.local_batch_size", "4", *_val(2),
                        "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1")),
+    Flavor("fsdp2_full_ac", 2, ("--training.local_batch_size", "4", *_val(2), "--activation_checkpoint.mode", "full")),
+    Flavor("fsdp2_selective_ac_every2", 2, ("--training.local_batch_size", "4", *_val(2),
+                                            "--activation_checkpoint.mode", "selective",
+                                            "--activation_checkpoint.selective_ac_option", "2")),
+    Flavor("fsdp2_selective_ac_op", 2, ("--training.local_batch_size", "4", *_val(2),
+                                        "--activation_checkpoint.mode", "selective",
+                                        "--activation_checkpoint.selective_ac_option", "op")),
     Flavor("fsdp2_tied", 2, ("--training.local_batch_size", "4", *_val(2), "--model.flavor", "debugmodel_tied"),
            reference="single_process_tied"),
 ]

@@ -503,6 +503,10 @@ INVALID_VALUES = [
     (["--checkpoint.create_seed_checkpoint"], "checkpoint.create_seed_checkpoint"),
     # activation checkpoint choice
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "every"],
+     "activation_checkpoint.selective_ac_option"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+     "activation_checkpoint.selective_ac_option"),
     # metrics / comm
     (["--metrics.log_freq", "0"], "metrics.log_freq"),
     (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds"),
@@ -519,8 +523,6 @@ NOT_AVAILABLE = [
     (["--model.converters", "float8"], "model.converters"),
     (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
-    (["--activation_checkpoint.mode", "selective"], "activation_checkpoint.mode"),
-    (["--activation_checkpoint.mode", "full"], "activation_checkpoint.mode"),
     (["--compile.enable"], "compile.enable"),
     (["--profiling.enable_profiling"], "profiling.enable_profiling"),
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),

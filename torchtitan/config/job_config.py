@@ -178,7 +178,7 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: str = "none"
-    """none | selective | full (not available yet beyond none)"""
+    """none | selective | full: recompute block activations in backward to save memory"""
     selective_ac_option: str = "2"
     """Selective AC: "op" or N = checkpoint every Nth block"""
 

@@ -149,8 +149,9 @@ def _check_unavailable(cfg: JobConfig) -> None:
     if cfg.training.enable_cpu_offload:
         _not_yet("training.enable_cpu_offload", "CPU offload")
     _one_of("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "selective", "full"))
-    if cfg.activation_checkpoint.mode != "none":
-        _not_yet("activation_checkpoint.mode", f"activation checkpointing ('{cfg.activation_checkpoint.mode}')")
+    opt = cfg.activation_checkpoint.selective_ac_option
+    if cfg.activation_checkpoint.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+        _err(f"activation_checkpoint.selective_ac_option: '{opt}' is neither 'op' nor a block interval >= 1")
     if cfg.compile.enable:
         _not_yet("compile.enable", "torch.compile")
     if cfg.profiling.enable_profiling:

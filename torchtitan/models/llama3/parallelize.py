@@ -1,6 +1,6 @@
 """Apply parallelisms to a Llama model in the house order: TP -> CP -> AC -> compile -> FSDP/HSDP or DDP.
 
-Only data parallelism exists so far; the other steps are rejected by config validation until their issues land.
+TP, CP and compile are rejected by config validation until their issues land.
 """
 
 from __future__ import annotations
@@ -8,12 +8,15 @@ from __future__ import annotations
 import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
                       param_dtype: str) -> nn.Module:
+    ac = job_config.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_ac_option)
     if parallel_dims.fsdp_enabled:
         return apply_fsdp(
             model,
