@@ -28,7 +28,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-__all__ = ["DATASETS", "DocumentSource", "HubDataset", "build_document_source", "corpus_fingerprint", "iter_documents"]
+__all__ = ["DATASETS", "DocumentSource", "HubDataset", "build_document_source", "corpus_fingerprint"]
 
 # Directory names pruned anywhere under the stdlib root. Test suites are excluded because they are
 # full of deliberately odd code (bad encodings, syntax-error fixtures, huge generated literals) and
@@ -217,12 +217,6 @@ def _require_a_document(source: DocumentSource, key: str) -> None:
         return
     raise ValueError(f"{source.key_prefix}.{key}: '{source.name}' has no usable documents "
                      f"({source.skipped_documents} records, all empty or not text)")  # fmt: skip
-
-
-def iter_documents(name: str) -> Iterator[str]:
-    """The texts of registry dataset `name` (compatibility helper; new code uses a DocumentSource)."""
-    source = build_document_source(dataset=name, dataset_path="")
-    return (text for _, text in source.iter_documents(0))
 
 
 def corpus_fingerprint(name: str) -> str:
