@@ -25,7 +25,9 @@ from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.preemption import PreemptionFlag
+from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import init_logger, logger
@@ -68,6 +70,19 @@ class Trainer:
             dp_degree=dp_mesh.size(),
             num_workers=t.num_workers,
         )
+        # With loss parallel the logits stay vocab-sharded over tp; the context must cover loss and backward.
+        self.loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
+        self.loss_fn = cross_entropy_sum
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            if self.loss_parallel:
+                # Measured (torch 2.13): a compiled loss does not see loss_parallel's op handlers and returns a
+                # wrong loss on vocab-sharded logits, silently. Keep the loss eager there.
+                logger.info("compile: the loss stays eager under loss parallel")
+            else:
+                self.loss_fn = compile_loss(cross_entropy_sum, cfg.compile.backend)
+        # Measured (torch 2.13, CPU): a TP block compiled for training fails when recompiled under no_grad
+        # ("'Tensor' object has no attribute 'elem'", an async-collective input). Validation runs it eagerly.
+        self.validate_eager = parallel_dims.tp_enabled and cfg.compile.enable and "model" in cfg.compile.components
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(cfg, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(), self.loss_mesh,
@@ -120,7 +135,7 @@ class Trainer:
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
-            f"(dp_replicate {parallel_dims.dp_replicate}, dp_shard {parallel_dims.dp_shard}), "
+            f"(dp_replicate {parallel_dims.dp_replicate}, dp_shard {parallel_dims.dp_shard}, tp {parallel_dims.tp}), "
             f"global batch {cfg.training.local_batch_size * parallel_dims.dp_degree * grad_accum_steps} "
             f"sequences ({grad_accum_steps} accumulation steps), device {self.device}, params {param_dtype}"
         )
@@ -149,10 +164,11 @@ class Trainer:
             labels = labels.to(self.device, non_blocking=True)
             with self.autocast:
                 logits = self.model(inputs)
-            loss_sum = cross_entropy_sum(logits, labels)
-            del logits
-            (loss_sum / global_tokens).backward()
-            local_loss_sum += loss_sum.detach()
+            with loss_parallel_context(self.loss_parallel):
+                loss_sum = self.loss_fn(logits, labels)
+                del logits
+                (loss_sum / global_tokens).backward()
+            local_loss_sum += local_value(loss_sum.detach())
         grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
         self.optimizer.step()
@@ -180,7 +196,8 @@ class Trainer:
                 gc.collect(1)
             validation = {}
             if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
-                validation = self.validator.validate(self.model, self.autocast)
+                validation = self.validator.validate(self.model, self.autocast, self.loss_fn, self.loss_parallel,
+                                                     eager=self.validate_eager)
             if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
                 self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, window_tokens / elapsed,
@@ -227,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_args(argv)
         parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
         _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+        if cfg.parallelism.enable_async_tensor_parallel and device_tools.device_type() != "cuda":
+            raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA GPUs (symmetric memory); "
+                              f"this machine runs on {device_tools.device_type()}")
         if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
             raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1), not {world_size}")
     except ConfigError as e:

@@ -35,6 +35,8 @@ def _command_and_env(nproc: int, args, dump_folder: Path, cache_dir: Path, extra
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "TORCHTITAN_CACHE_DIR": str(cache_dir),
+        # compiled kernels are shared by every compile test of the session
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor"),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "WANDB_MODE": "offline",

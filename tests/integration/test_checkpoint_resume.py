@@ -65,17 +65,36 @@ def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, tmp_path, tt_ca
         assert resumed[step] == straight[step], f"step {step}: {resumed[step]!r} != {straight[step]!r}"
 
 
+def _assert_continues(resumed_dir, straight_dir, first_step: int) -> None:
+    resumed, straight = _losses(resumed_dir), _losses(straight_dir)
+    assert sorted(resumed) == list(range(first_step, STEPS + 1))
+    for step in resumed:  # same sequences in the same steps (global data cursor), same weights and moments
+        assert abs(resumed[step] - straight[step]) <= 1e-5 * abs(straight[step]), (step, resumed[step], straight[step])
+
+
 @pytest.mark.parametrize(("nproc", "extra"), [
-    (2, ()), (1, ()), (4, ("--parallelism.data_parallel_replicate_degree", "2")),
-], ids=["fsdp2", "single_process", "hsdp2x2"])
+    (1, ()), (4, ("--parallelism.data_parallel_replicate_degree", "2")),
+], ids=["single_process", "hsdp2x2"])
 def test_resume_on_another_layout_continues_the_curve(nproc, extra, straight_fsdp4, tmp_path, tt_cache_dir):
     _resume_from(straight_fsdp4, 10, tmp_path)
     result = run_train(nproc, [*BASE, *_layout(nproc), *extra], tmp_path, tt_cache_dir)
     assert result.returncode == 0, result.output[-4000:]
-    resumed, straight = _losses(tmp_path), _losses(straight_fsdp4)
-    assert sorted(resumed) == list(range(11, STEPS + 1))
-    for step in resumed:  # same sequences in the same steps (global data cursor), same weights and moments
-        assert abs(resumed[step] - straight[step]) <= 1e-5 * abs(straight[step]), (step, resumed[step], straight[step])
+    _assert_continues(tmp_path, straight_fsdp4, 11)
+
+
+def test_resume_across_tensor_parallel_both_ways(straight_fsdp4, tmp_path, tt_cache_dir):
+    # FSDP 4 step 10 -> FSDP 2 x TP 2 (saves step 15) -> FSDP 4 again: the TP-sharded checkpoint must load too.
+    tp_run, back = tmp_path / "fsdp2_tp2", tmp_path / "fsdp4"
+    _resume_from(straight_fsdp4, 10, tp_run)
+    tp_layout = ("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                 "--checkpoint.interval", "5")
+    result = run_train(4, [*BASE, *tp_layout], tp_run, tt_cache_dir)
+    assert result.returncode == 0, result.output[-4000:]
+    _assert_continues(tp_run, straight_fsdp4, 11)
+    _resume_from(tp_run, 15, back)
+    result = run_train(4, [*BASE, *_layout(4)], back, tt_cache_dir)
+    assert result.returncode == 0, result.output[-4000:]
+    _assert_continues(back, straight_fsdp4, 16)
 
 
 def test_incomplete_checkpoint_is_ignored_and_reported(straight_fsdp4, tmp_path, tt_cache_dir):

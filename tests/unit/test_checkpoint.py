@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
-import socket
-import sys
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from tests.unit.forked import run_ranks
 from torchtitan.components import checkpoint_io as cio
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState, checkpoint_step_folders
 from torchtitan.components.hf_io import load_hf, save_hf
@@ -121,55 +115,6 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(a[k], b[k])
     else:
         assert torch.equal(a, b)
-
-
-# --------------------------------------------------------------------------- forked workers
-def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
-    code = 1
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        out = fn(rank, *args)
-        # Tensors would cross as shared-memory handles that die with this process: send plain lists.
-        queue.put((rank, None, torch.utils._pytree.tree_map(
-            lambda t: t.tolist() if isinstance(t, torch.Tensor) else t, out)))
-        code = 0
-    except BaseException:
-        queue.put((rank, traceback.format_exc(), None))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-        queue.close()
-        queue.join_thread()  # the result must be out of this process before os._exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) -> list[Any]:
-    ctx = mp.get_context("fork")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, err, out = queue.get(timeout=timeout)
-            assert err is None, f"rank {rank} failed:\n{err}"
-            results[rank] = out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
 
 
 def _train_and_save(rank: int, tmp: Path, mode: str) -> dict[str, Any]:

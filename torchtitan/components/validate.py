@@ -8,6 +8,7 @@ passes (FSDP gathers parameters inside forward: a rank with one batch fewer woul
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
 from torchtitan.tools.logging import logger
 
 
@@ -56,7 +58,13 @@ class Validator:
         )
 
     @torch.no_grad()
-    def validate(self, model: nn.Module, autocast) -> dict[str, float]:
+    def validate(self, model: nn.Module, autocast, loss_fn=cross_entropy_sum, loss_parallel: bool = False,
+                 eager: bool = False) -> dict[str, float]:
+        """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad)."""
+        with torch.compiler.set_stance("force_eager") if eager else nullcontext():
+            return self._validate(model, autocast, loss_fn, loss_parallel)
+
+    def _validate(self, model: nn.Module, autocast, loss_fn, loss_parallel: bool) -> dict[str, float]:
         loader = self.loader
         model.eval()
         loss_sum = torch.zeros((), device=self.device)
@@ -68,7 +76,8 @@ class Validator:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with autocast:
                 logits = model(inputs)
-            loss_sum += cross_entropy_sum(logits, labels)
+            with loss_parallel_context(loss_parallel):
+                loss_sum += local_value(loss_fn(logits, labels))
             tokens += count_target_tokens(labels)
             batches += 1
         model.train()

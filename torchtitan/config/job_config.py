@@ -114,11 +114,11 @@ class Parallelism:
     fsdp_reshard_after_forward: str = "default"
     """default | always | never: free gathered parameters after forward (default: yes, except the last block)"""
     tensor_parallel_degree: int = 1
-    """Tensor-parallel degree (not available yet)"""
+    """Tensor-parallel degree (innermost mesh dim; sequence parallel included): keep it within a node"""
     disable_loss_parallel: bool = False
     """Gather vocab-sharded logits before the loss instead of loss parallel (with tensor parallel)"""
     enable_async_tensor_parallel: bool = False
-    """Overlap TP communication with compute (needs compile; not available yet)"""
+    """Overlap TP communication with matmuls via inductor and symmetric memory (CUDA, needs compile.enable)"""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree (not available yet)"""
     pipeline_parallel_schedule: str = "1F1B"
@@ -186,7 +186,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile the components below (not available yet)"""
+    """torch.compile the components below (the model per transformer block)"""
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
     """What to compile: model, loss"""
     backend: str = "inductor"

@@ -129,7 +129,6 @@ def _check_parallelism(cfg: JobConfig) -> None:
         if getattr(p, key) < 1:
             _err(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
     for key, what in (
-        ("tensor_parallel_degree", "tensor parallel"),
         ("pipeline_parallel_degree", "pipeline parallel"),
         ("context_parallel_degree", "context parallel"),
         ("expert_parallel_degree", "expert parallel"),
@@ -137,8 +136,30 @@ def _check_parallelism(cfg: JobConfig) -> None:
     ):
         if getattr(p, key) > 1:
             _not_yet(f"parallelism.{key}", what)
+    _check_tensor_parallel(cfg)
+
+
+def _check_tensor_parallel(cfg: JobConfig) -> None:
+    from torchtitan.distributed.tensor_parallel import tp_divisibility_errors
+    from torchtitan.models.registry import get_model_spec
+
+    p = cfg.parallelism
     if p.enable_async_tensor_parallel:
-        _not_yet("parallelism.enable_async_tensor_parallel", "async tensor parallel")
+        if p.tensor_parallel_degree == 1:
+            _err("parallelism.enable_async_tensor_parallel: needs parallelism.tensor_parallel_degree > 1")
+        if not (cfg.compile.enable and "model" in cfg.compile.components):
+            _err("parallelism.enable_async_tensor_parallel: needs compile.enable = true with 'model' in "
+                 "compile.components (inductor does the overlap)")
+    if p.tensor_parallel_degree == 1:
+        return
+    model_args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
+    seq_lens = {"training.seq_len": cfg.training.seq_len}
+    if cfg.validation.enable and cfg.validation.seq_len != -1:
+        seq_lens["validation.seq_len"] = cfg.validation.seq_len
+    errors = tp_divisibility_errors(model_args, p.tensor_parallel_degree, seq_lens)
+    if errors:
+        _err(f"parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with model "
+             f"{cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
 
 
 def _check_unavailable(cfg: JobConfig) -> None:
@@ -152,8 +173,9 @@ def _check_unavailable(cfg: JobConfig) -> None:
     opt = cfg.activation_checkpoint.selective_ac_option
     if cfg.activation_checkpoint.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
         _err(f"activation_checkpoint.selective_ac_option: '{opt}' is neither 'op' nor a block interval >= 1")
-    if cfg.compile.enable:
-        _not_yet("compile.enable", "torch.compile")
+    unknown = set(cfg.compile.components) - {"model", "loss"}
+    if unknown:
+        _err(f"compile.components: unknown entries {sorted(unknown)}; known: model, loss")
     if cfg.profiling.enable_profiling:
         _not_yet("profiling.enable_profiling", "profiling")
     if cfg.profiling.enable_memory_snapshot:

@@ -112,9 +112,18 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp
 
     @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def loss_parallel_enabled(self, disable_loss_parallel: bool) -> bool:
+        """Cross-entropy on vocab-sharded logits: with tensor parallel, unless turned off."""
+        return self.tp_enabled and not disable_loss_parallel
+
+    @property
     def ddp_enabled(self) -> bool:
-        """Pure replication: DDP when nothing shards parameters."""
-        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+        """Pure replication: DDP when nothing shards parameters. With TP, replication is HSDP with shard
+        degree 1 instead: DDP does not take DTensor parameters."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and self.tp == 1
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -138,6 +147,13 @@ class ParallelDims:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
+        if self.tp > 1:
+            # Parameters of FSDP x TP live on (dp_shard_cp, tp), of HSDP x TP on (dp_replicate, dp_shard_cp, tp).
+            # With these flattened groups registered, DTensor reduces a value that is partial over all of those
+            # dims (the gradient norm) in one all-reduce instead of one per dim.
+            self._views["dp_shard_cp_tp"] = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+            if self.dp_replicate > 1:
+                self._views["dp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
         self._world_mesh = mesh
         return mesh
 

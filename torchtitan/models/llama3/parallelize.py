@@ -1,6 +1,6 @@
 """Apply parallelisms to a Llama model in the house order: TP -> CP -> AC -> compile -> FSDP/HSDP or DDP.
 
-TP, CP and compile are rejected by config validation until their issues land.
+CP is rejected by config validation until its issue lands.
 """
 
 from __future__ import annotations
@@ -9,20 +9,30 @@ import torch.nn as nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
                       param_dtype: str) -> nn.Module:
+    p = job_config.parallelism
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.mesh("tp")
+        apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled(p.disable_loss_parallel))
+        if p.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
     ac = job_config.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model, job_config.compile.backend)
     if parallel_dims.fsdp_enabled:
         return apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=job_config.training.mixed_precision_reduce,
-            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
         )
     return apply_ddp(model, parallel_dims.mesh("dp_replicate"))

@@ -1,0 +1,141 @@
+"""Tensor parallel (Megatron-style) with sequence parallel and loss parallel, keyed by module names.
+
+Layout over the 1-D `tp` mesh, per transformer block:
+- `attention_norm`, `ffn_norm`: sequence parallel. Between blocks the residual stream is sharded on the
+  sequence dimension (Shard(1)), so norms and residual adds run on S/tp tokens and activations take 1/tp of
+  the memory.
+- `attention` and `feed_forward` inputs are all-gathered on the sequence (Shard(1) -> Replicate) once each;
+  `wq/wk/wv` and `w1/w3` are column-wise (each rank owns a slice of the heads / hidden units, no comms), `wo`
+  and `w2` are row-wise with a reduce-scatter back to Shard(1). Two all-gathers and two reduce-scatters per
+  block forward, the same in backward.
+Outside the blocks: the embedding is sharded on the vocabulary (row-wise; the lookup result is
+reduce-scattered to Shard(1)), the final norm is sequence parallel and the output projection is column-wise on
+the vocabulary. With loss parallel the logits stay vocab-sharded and cross-entropy reduces over the tp mesh
+(max and sum-exp), so the [B, S, vocab] logits are never gathered; without it they are gathered (Replicate).
+
+The model code is unchanged: `Attention` reads its local head count from the tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from torchtitan.tools.logging import logger
+
+
+def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> list[str]:
+    """What the layout above needs from the model shape; one message per violated rule (empty = fine).
+
+    `seq_lens` maps a config key (e.g. "training.seq_len") to its value: sequence parallel shards it by tp.
+    """
+    if tp == 1:
+        return []
+    errors = []
+    kv = model_args.num_kv_heads
+    if model_args.n_heads % tp:
+        errors.append(f"n_heads={model_args.n_heads} is not divisible by tensor_parallel_degree={tp}")
+    if kv % tp:
+        hint = " (GQA: each rank needs at least one whole KV head)" if kv < tp else ""
+        errors.append(f"n_kv_heads={kv} is not divisible by tensor_parallel_degree={tp}{hint}")
+    if model_args.ffn_hidden_dim % tp:
+        errors.append(f"the feed-forward hidden size {model_args.ffn_hidden_dim} is not divisible by "
+                      f"tensor_parallel_degree={tp}")
+    if model_args.vocab_size % tp:
+        errors.append(f"vocab_size={model_args.vocab_size} is not divisible by tensor_parallel_degree={tp} "
+                      "(embedding and output are sharded on the vocabulary)")
+    for key, seq_len in seq_lens.items():
+        if seq_len % tp:
+            errors.append(f"{key}={seq_len} is not divisible by tensor_parallel_degree={tp} "
+                          "(sequence parallel shards activations on the sequence)")
+    return errors
+
+
+def _block_plan() -> dict:
+    return {
+        "attention_norm": SequenceParallel(),
+        # freqs_cis (the second input) is a plain replicated table: leave it alone.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool) -> nn.Module:
+    """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` in place, following the plan above."""
+    tied = _is_tied(model)
+    top: dict = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                 use_local_output=False)
+    if getattr(model, "norm", None) is not None:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        # A pipeline stage without the final norm receives hidden states already sharded on the sequence.
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Row-wise embedding and column-wise output both shard the shared [vocab, dim] matrix on dim 0, so one
+        # DTensor serves both; parallelize_module replaced it twice, so restore the single shared parameter.
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan())
+    # The sequence-sharded embedding output is a view of a DTensor's local tensor, and FSDP2 warns that an
+    # in-place op on it would skip its pre-backward hook. The blocks only use out-of-place residual adds
+    # (`h = x + ...`), so the warning describes nothing that can happen here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logger.info(f"applied tensor parallel over {tp_mesh.size()} ranks with sequence parallel, "
+                f"loss parallel {'on' if loss_parallel else 'off'}")
+    return model
+
+
+def _is_tied(model: nn.Module) -> bool:
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    return emb is not None and out is not None and out.weight is emb.weight
+
+
+def loss_parallel_context(enabled: bool) -> AbstractContextManager:
+    """Wrap both the loss computation and backward: the vocab-sharded cross-entropy has its own backward."""
+    return loss_parallel() if enabled else nullcontext()
+
+
+def enable_async_tp(tp_mesh) -> None:
+    """Let inductor fuse TP's all-gather/reduce-scatter with the neighbouring matmuls (CUDA only, with compile).
+
+    Symmetric memory on the TP group is what the fused kernels communicate through.
+    """
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    logger.info("async tensor parallel enabled (inductor micro-pipelining on the tp group)")
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A loss from loss parallel is a replicated DTensor; metrics and accumulation want the plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
