@@ -24,8 +24,8 @@ from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
 from torchtitan.distributed.compile import compile_loss
+from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
 from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
 from torchtitan.models.registry import get_model_spec
@@ -200,7 +200,9 @@ class Trainer:
                                                      eager=self.validate_eager)
             if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
-                self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, window_tokens / elapsed,
+                # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
+                tps = window_tokens / elapsed / self.parallel_dims.non_data_parallel_size
+                self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, tps,
                           100.0 * data_wait / elapsed, validation)
                 window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
                 self.memory.reset_peak()

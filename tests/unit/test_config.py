@@ -491,6 +491,9 @@ INVALID_VALUES = [
     (["--parallelism.context_parallel_degree", "-1"], "parallelism.context_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
     (["--parallelism.expert_tensor_parallel_degree", "0"], "parallelism.expert_tensor_parallel_degree"),
+    (["--parallelism.tensor_parallel_degree", "16"], "parallelism.tensor_parallel_degree"),
+    (["--parallelism.enable_async_tensor_parallel"], "parallelism.enable_async_tensor_parallel"),
+    (["--compile.components", "everything"], "compile.components"),
     # checkpoint
     (["--checkpoint.async_mode", "threads"], "checkpoint.async_mode"),
     (["--checkpoint.export_dtype", "float16"], "checkpoint.export_dtype"),
@@ -514,16 +517,13 @@ INVALID_VALUES = [
 ]
 
 NOT_AVAILABLE = [
-    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
     (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
     (["--parallelism.expert_tensor_parallel_degree", "2"], "parallelism.expert_tensor_parallel_degree"),
-    (["--parallelism.enable_async_tensor_parallel"], "parallelism.enable_async_tensor_parallel"),
     (["--model.converters", "float8"], "model.converters"),
     (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
-    (["--compile.enable"], "compile.enable"),
     (["--profiling.enable_profiling"], "profiling.enable_profiling"),
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),
     (["--memory_estimation.enable"], "memory_estimation.enable"),

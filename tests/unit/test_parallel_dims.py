@@ -170,6 +170,8 @@ def test_ep_borrows_from_dp_shard_and_cp(world, degrees):
         ("FSDP 2 x TP 2", 4, {"tp": 2}, (2, 2, 2, False, True, False)),
         ("FSDP 2 x CP 2", 4, {"cp": 2}, (2, 4, 4, False, True, False)),
         ("replicate 2 x CP 2", 4, {"dp_replicate": 2, "cp": 2}, (2, 2, 4, False, True, True)),
+        # DDP does not take DTensor parameters: replication with TP is HSDP with shard degree 1
+        ("replicate 2 x TP 2", 4, {"dp_replicate": 2, "tp": 2}, (2, 1, 2, False, True, True)),
     ],
 )
 def test_derived_degrees_and_flags(name, world, degrees, expected):
@@ -177,6 +179,19 @@ def test_derived_degrees_and_flags(name, world, degrees, expected):
     got = (pd.dp_degree, pd.fsdp_degree, pd.loss_degree, pd.ddp_enabled, pd.fsdp_enabled, pd.hsdp_enabled)
     assert got == expected, name
     assert pd.ddp_enabled != pd.fsdp_enabled
+
+
+@pytest.mark.parametrize(("world", "degrees", "expected"), [
+    (4, {}, 1), (4, {"tp": 2}, 2), (8, {"tp": 2, "cp": 2}, 4), (8, {"tp": 2, "pp": 2}, 4),
+])
+def test_non_data_parallel_size_divides_throughput(world, degrees, expected):
+    assert make(world, **degrees).non_data_parallel_size == expected
+
+
+def test_loss_parallel_only_with_tp():
+    assert make(2, tp=2).loss_parallel_enabled(disable_loss_parallel=False)
+    assert not make(2, tp=2).loss_parallel_enabled(disable_loss_parallel=True)
+    assert not make(2).loss_parallel_enabled(disable_loss_parallel=False)
 
 
 def test_world_mesh_before_build_raises():

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,7 +87,7 @@ def _tp_rank(rank: int, flavor: str, loss_parallel: bool, ac: str, compiled: boo
     ("debugmodel_tied", True, "none", False),
     ("debugmodel", True, "op", False),
     ("debugmodel", True, "full", False),
-    ("debugmodel", True, "none", True),
+    # compile with TP is covered by the tp2_compile integration flavor (a cold compile costs ~30 s here)
 ])
 def test_tp2_matches_single_process(flavor, loss_parallel, ac, compiled):
     ref_loss, ref_norm, ref_grads = _reference(flavor)
@@ -164,3 +168,15 @@ def test_invalid_tp_config_is_one_line_error(args, message):
         parse_args(args)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_async_tp_on_cpu_fails_before_process_group(tmp_path):
+    # WORLD_SIZE=2 without a launcher: the check must fire before init_process_group would wait for rank 1.
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan.train", "--parallelism.tensor_parallel_degree", "2",
+         "--parallelism.enable_async_tensor_parallel", "--compile.enable", "--job.dump_folder", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "parallelism.enable_async_tensor_parallel: needs CUDA GPUs" in proc.stderr

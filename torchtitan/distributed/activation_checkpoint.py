@@ -25,6 +25,9 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# Under tensor parallel, also keep what the reduce-scatters after wo/w2 return: recomputing them would repeat
+# the communication in backward, and their outputs are only 1/TP of the sequence.
+_SAVE_OPS.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 

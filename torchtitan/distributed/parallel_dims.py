@@ -112,6 +112,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp
 
     @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one data-parallel rank's tokens (tp x cp x pp): per-device throughput divides by it."""
+        return self.tp * self.cp * self.pp
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
