@@ -238,6 +238,17 @@ class Trainer:
         self.dataloader.close()
 
 
+def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
+    """memory_estimation.enable: rank 0 prints the estimate for this layout (fake tensors, no process group)."""
+    if rank == 0:
+        from torchtitan.estimation.engine import estimate
+
+        est = estimate(cfg, world_size, 0, device_tools.device_type())
+        logger.info(f"memory estimate for rank 0 of {world_size}: peak {est.peak_bytes / 2**30:.2f} GiB during "
+                    f"{est.peak_phase}; " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in est.breakdown.items()))
+    dist_utils.exit_process(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     init_logger()
     rank, _, world_size = dist_utils.env_world()
@@ -257,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"config error: {e}", file=sys.stderr)
         dist_utils.record_failure(e)
         dist_utils.exit_process(2)
+    if cfg.memory_estimation.enable:
+        _estimate_and_exit(cfg, rank, world_size)
     try:
         trainer = Trainer(cfg, parallel_dims, grad_accum_steps)
     except (ValueError, FileNotFoundError) as e:

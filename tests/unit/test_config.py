@@ -526,7 +526,7 @@ NOT_AVAILABLE = [
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
     (["--profiling.enable_profiling"], "profiling.enable_profiling"),
     (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),
-    (["--memory_estimation.enable"], "memory_estimation.enable"),
+    (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode"),
 ]
 
 

@@ -264,9 +264,9 @@ class Profiling:
 @dataclass
 class MemoryEstimation:
     enable: bool = False
-    """Estimate memory instead of training (use scripts/estimate_memory.py; not available yet)"""
+    """Print rank 0's estimated peak memory for this layout and exit instead of training (no process group)"""
     disable_fake_mode: bool = False
-    """Estimate with real tensors instead of fake ones"""
+    """Estimate with real tensors instead of fake ones (not available yet)"""
 
 
 @dataclass

@@ -180,8 +180,8 @@ def _check_unavailable(cfg: JobConfig) -> None:
         _not_yet("profiling.enable_profiling", "profiling")
     if cfg.profiling.enable_memory_snapshot:
         _not_yet("profiling.enable_memory_snapshot", "memory snapshots")
-    if cfg.memory_estimation.enable:
-        _not_yet("memory_estimation.enable", "memory estimation")
+    if cfg.memory_estimation.disable_fake_mode:
+        _not_yet("memory_estimation.disable_fake_mode", "estimating with real tensors")
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:

@@ -1,0 +1,81 @@
+"""Estimate the per-GPU peak memory of a training config and layout on a CPU-only machine.
+
+    python scripts/estimate_memory.py --world-size 8 --device h100 --job.config_file train_configs/llama3_8b.toml \
+        [--section.key value ...] [--rank 0] [--memory-gib 80] [--reserve-gib 3] [--json]
+
+Takes the same TOML and overrides as training. Runs the trainer's own model build and parallelize code for one
+rank on fake tensors with a fake process group (nothing is materialised), two training steps, and prints the
+peak with a breakdown, the phase of the peak, an analytic cross-check and a fits / does-not-fit verdict.
+`--device cpu` estimates a CPU (gloo) run as the trainer does it there: fp32 whatever the config says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.config.manager import ConfigError, parse_args  # noqa: E402
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.estimation.engine import estimate  # noqa: E402
+from torchtitan.estimation.report import (  # noqa: E402
+    DEFAULT_GPU_RESERVE_GIB,
+    analytic,
+    as_json,
+    device_capacity_gib,
+    render,
+)
+
+
+def _host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks (NGPU x NNODES)")
+    parser.add_argument("--rank", type=int, default=0, help="which rank to estimate (ranks of FSDP/TP are alike)")
+    parser.add_argument("--device", default="h100", help="target device from the table, or cpu")
+    parser.add_argument("--memory-gib", type=float, default=None, help="device memory, overriding the table")
+    parser.add_argument("--reserve-gib", type=float, default=None,
+                        help=f"memory outside tensors (default {DEFAULT_GPU_RESERVE_GIB} on GPUs, 0 on cpu)")
+    parser.add_argument("--exact", action="store_true",
+                        help="run every transformer block instead of extrapolating from two shallower models")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    opts, config_args = parser.parse_known_args(argv)
+    try:
+        cfg = parse_args(config_args)
+        if opts.world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {opts.world_size}")
+        if not 0 <= opts.rank < opts.world_size:
+            raise ConfigError(f"--rank {opts.rank} is outside the world of {opts.world_size} ranks")
+        parallel_dims = ParallelDims.from_config(cfg.parallelism, opts.world_size)
+        target = "cpu" if opts.device.lower() == "cpu" else "cuda"
+        capacity = _host_memory_gib() if target == "cpu" and opts.memory_gib is None else \
+            device_capacity_gib(opts.device, opts.memory_gib)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    reserve = opts.reserve_gib
+    if reserve is None:
+        reserve = 0.0 if target == "cpu" else DEFAULT_GPU_RESERVE_GIB
+    est = estimate(cfg, opts.world_size, opts.rank, target, exact=opts.exact)
+    dtype = cfg.training.mixed_precision_param if target == "cuda" else "float32"
+    closed_form = analytic(cfg, parallel_dims, est, 2 if dtype == "bfloat16" else 4)
+    pd = parallel_dims
+    layout = (f"dp_replicate {pd.dp_replicate} x dp_shard {pd.dp_shard} x tp {pd.tp}, "
+              f"{cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x seq "
+              f"{cfg.training.seq_len}, AC {cfg.activation_checkpoint.mode}, {dtype}")
+    if opts.json:
+        print(json.dumps(as_json(est, closed_form, capacity, reserve, opts.device, layout)))
+    else:
+        print(render(est, closed_form, capacity, reserve, opts.device, layout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

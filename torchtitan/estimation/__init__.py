@@ -1,0 +1,1 @@
+"""Memory estimator engine: fake process group + FakeTensorMode + live-memory tracking."""

@@ -1,0 +1,119 @@
+"""Device capacities, the analytic cross-check and the printed / JSON report of an estimate."""
+
+from __future__ import annotations
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.estimation.engine import CATEGORIES, Estimate
+from torchtitan.models.registry import get_model_spec
+
+GIB = 1024**3
+
+# Usable memory as torch.cuda.get_device_properties(...).total_memory reports it (a bit below the marketing
+# figure), in GiB. Override with --memory-gib for anything else.
+DEVICE_MEMORY_GIB = {
+    "h100": 79.1,
+    "h100-pcie": 79.1,
+    "h100-nvl": 93.1,
+    "h200": 139.8,
+    "a100-80gb": 79.2,
+    "a100-40gb": 39.4,
+    "b200": 178.4,
+    "mi300x": 192.0,
+    "l40s": 44.4,
+}
+
+# On a GPU, memory outside the tensors the trainer allocates: CUDA context and kernels, NCCL buffers, and the
+# caching allocator's rounding and fragmentation. Not modelled by the fake run; a fixed reserve until measured.
+DEFAULT_GPU_RESERVE_GIB = 3.0
+
+
+def device_capacity_gib(device: str, memory_gib: float | None) -> float:
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise ValueError(f"--memory-gib must be > 0, got {memory_gib}")
+        return memory_gib
+    key = device.lower()
+    if key not in DEVICE_MEMORY_GIB:
+        raise ValueError(f"unknown device '{device}'; known: {', '.join(DEVICE_MEMORY_GIB)} "
+                         "(or give --memory-gib)")
+    return DEVICE_MEMORY_GIB[key]
+
+
+def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_bytes: int) -> dict[str, float]:
+    """Closed-form numbers to hold the tracked ones against (GiB).
+
+    States: 4 bytes per local parameter element (fp32 sharded master weights), the same for the gradient
+    (fp32 reduce) and 8 for AdamW's two moments. Activations without checkpointing: per token and layer about
+    11 x dim + 3 x kv_dim + 4 x ffn_hidden elements saved for backward (norm inputs/outputs, q/k/v before and
+    after rotary, attention output, the four SwiGLU tensors), with per-op AC 4 x dim + 2 x kv_dim + 2 x
+    ffn_hidden (matmul and attention outputs), divided by TP; checkpointed blocks keep their input; plus the
+    logits and their fp32 log-softmax (2 x vocab per token, divided by TP with loss parallel).
+    """
+    args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
+    tp = parallel_dims.tp
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    kv = args.num_kv_heads * args.head_dim
+    per_layer = 11 * args.dim + 3 * kv + 4 * args.ffn_hidden_dim
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        # only matmul and attention outputs are kept: q, k, v, attention out, wo, w1, w3, w2
+        per_layer = 4 * args.dim + 2 * kv + 2 * args.ffn_hidden_dim
+    layers_kept = args.n_layers
+    if ac.mode == "full":
+        layers_kept = 0
+    elif ac.mode == "selective" and ac.selective_ac_option.isdigit():
+        layers_kept = args.n_layers - len(range(0, args.n_layers, int(ac.selective_ac_option)))
+    block_io = args.dim * args.n_layers  # checkpointed blocks keep only their input
+    logits = 2 * args.vocab_size / (tp if parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
+                                    else 1)
+    act_elems = tokens * (per_layer * layers_kept / tp + block_io / tp + logits)
+    n = est.counts["parameters"]
+    return {
+        "parameters": 4 * n / GIB,
+        "gradients": 4 * n / GIB,
+        "optimizer_state": 8 * n / GIB,
+        "activations": act_elems * param_bytes / GIB,
+    }
+
+
+def render(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, reserve_gib: float,
+           device: str, layout: str) -> str:
+    peak = est.peak_bytes / GIB
+    lines = [
+        f"memory estimate: rank {est.rank} of {est.world_size} ({layout}), estimated in {est.seconds:.1f} s"
+        + (f" (extrapolated in depth from {est.extrapolated_from[0]} and {est.extrapolated_from[1]} blocks)"
+           if est.extrapolated_from else ""),
+        f"  peak tensor memory {peak:8.2f} GiB  during {est.peak_phase}",
+        "  alive at the peak:",
+    ]
+    for name in CATEGORIES:
+        gib = est.breakdown[name] / GIB
+        lines.append(f"    {name:17s} {gib:8.2f} GiB  {100 * gib / max(peak, 1e-12):5.1f}%")
+    lines.append("  analytic cross-check (closed form, GiB):      tracked  analytic")
+    for name in ("parameters", "gradients", "optimizer_state"):
+        tracked = est.steady_bytes[name] / GIB
+        lines.append(f"    {name:17s} between steps       {tracked:8.2f}  {analytic_gib[name]:8.2f}")
+    lines.append(f"    {'activations':17s} at the peak         {est.breakdown['activations'] / GIB:8.2f}  "
+                 f"{analytic_gib['activations']:8.2f}  (approximate formula)")
+    need = peak + reserve_gib
+    fits = need <= capacity_gib
+    verdict = "FITS" if fits else "DOES NOT FIT"
+    lines.append(f"  device {device}: {capacity_gib:.1f} GiB; needed {peak:.2f} + {reserve_gib:.1f} reserve "
+                 f"(CUDA context, NCCL, allocator) = {need:.2f} GiB")
+    lines.append(f"  verdict: {verdict}, headroom {capacity_gib - need:+.2f} GiB")
+    return "\n".join(lines)
+
+
+def as_json(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, reserve_gib: float,
+            device: str, layout: str) -> dict:
+    need = est.peak_bytes / GIB + reserve_gib
+    return {
+        "rank": est.rank, "world_size": est.world_size, "layout": layout, "device": device,
+        "capacity_gib": capacity_gib, "reserve_gib": reserve_gib,
+        "peak_bytes": est.peak_bytes, "peak_gib": est.peak_bytes / GIB, "peak_phase": est.peak_phase,
+        "breakdown_bytes": est.breakdown, "steady_bytes": est.steady_bytes,
+        "analytic_gib": analytic_gib, "needed_gib": need, "fits": need <= capacity_gib,
+        "headroom_gib": capacity_gib - need, "seconds": est.seconds,
+        "extrapolated_from": est.extrapolated_from,
+    }
