@@ -53,45 +53,38 @@ REFERENCES = {
                                                              "--model.flavor", "debugmodel_tied")),
 }
 
+# Knobs that do not interact share a flavor: each run costs ~15-30 s of the CI budget (15 minutes in all).
 FLAVORS = [
-    Flavor("grad_accum_1proc", 1, ("--training.local_batch_size", "2", *_val(1))),
     Flavor("fsdp2", 2, ("--training.local_batch_size", "4", *_val(2))),
-    Flavor("fsdp2_deterministic", 2, ("--training.local_batch_size", "4", *_val(2),
-                                      "--debug.deterministic", "true")),
-    Flavor("fsdp2_data_workers", 2, ("--training.local_batch_size", "4", *_val(2), "--training.num_workers", "2")),
-    Flavor("fsdp2_grad_accum", 2, ("--training.local_batch_size", "2", *_val(2))),
+    Flavor("fsdp2_accum_reshard_never_deterministic", 2, ("--training.local_batch_size", "2", *_val(2),
+                                                          "--parallelism.fsdp_reshard_after_forward", "never",
+                                                          "--debug.deterministic", "true")),
+    Flavor("fsdp2_full_ac_data_workers", 2, ("--training.local_batch_size", "4", *_val(2),
+                                             "--activation_checkpoint.mode", "full", "--training.num_workers", "2")),
     Flavor("fsdp4", 4, ("--training.local_batch_size", "2", *_val(4))),
-    Flavor("fsdp2_reshard_never", 2, ("--training.local_batch_size", "4", *_val(2),
-                                      "--parallelism.fsdp_reshard_after_forward", "never")),
     Flavor("hsdp2x2", 4, ("--training.local_batch_size", "2", *_val(4),
                           "--parallelism.data_parallel_replicate_degree", "2")),
     Flavor("ddp2", 2, ("--training.local_batch_size", "4", *_val(2),
                        "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1")),
-    Flavor("fsdp2_full_ac", 2, ("--training.local_batch_size", "4", *_val(2), "--activation_checkpoint.mode", "full")),
-    Flavor("fsdp2_selective_ac_every2", 2, ("--training.local_batch_size", "4", *_val(2),
-                                            "--activation_checkpoint.mode", "selective",
-                                            "--activation_checkpoint.selective_ac_option", "2")),
-    Flavor("fsdp2_selective_ac_op", 2, ("--training.local_batch_size", "4", *_val(2),
-                                        "--activation_checkpoint.mode", "selective",
-                                        "--activation_checkpoint.selective_ac_option", "op")),
+    # Tied embedding/output lives in FSDP's root unit; every-2nd-block AC rides along.
+    Flavor("fsdp2_tied_selective_ac_every2", 2, ("--training.local_batch_size", "4", *_val(2),
+                                                 "--model.flavor", "debugmodel_tied",
+                                                 "--activation_checkpoint.mode", "selective",
+                                                 "--activation_checkpoint.selective_ac_option", "2"),
+           reference="single_process_tied"),
     # Tensor parallel (with sequence parallel): TP ranks read the same data, so the DP degree is world / tp.
-    Flavor("tp2", 2, ("--training.local_batch_size", "8", *_val(1), "--parallelism.tensor_parallel_degree", "2")),
-    Flavor("tp2_no_loss_parallel", 2, ("--training.local_batch_size", "8", *_val(1),
-                                       "--parallelism.tensor_parallel_degree", "2",
-                                       "--parallelism.disable_loss_parallel", "true")),
     Flavor("fsdp2_tp2_selective_ac_op", 4, ("--training.local_batch_size", "4", *_val(2),
                                             "--parallelism.tensor_parallel_degree", "2",
                                             "--activation_checkpoint.mode", "selective",
                                             "--activation_checkpoint.selective_ac_option", "op")),
-    Flavor("hsdp2x1_tp2", 4, ("--training.local_batch_size", "4", *_val(2),
-                              "--parallelism.tensor_parallel_degree", "2",
-                              "--parallelism.data_parallel_replicate_degree", "2")),
-    # torch.compile per block (inductor; a cold compile costs ~30 s of CI time, so one flavor): with TP, the
-    # hardest case: DTensor blocks, the loss kept eager under loss parallel, validation run eagerly.
-    # (TP with tied embeddings is covered by gradient unit tests in tests/unit/test_tensor_parallel.py.)
+    Flavor("hsdp2x1_tp2_no_loss_parallel", 4, ("--training.local_batch_size", "4", *_val(2),
+                                               "--parallelism.tensor_parallel_degree", "2",
+                                               "--parallelism.data_parallel_replicate_degree", "2",
+                                               "--parallelism.disable_loss_parallel", "true")),
+    # torch.compile per block (inductor; a cold compile costs ~30 s of CI time, so one flavor), on TP 2 with loss
+    # parallel: DTensor blocks, the loss kept eager under loss parallel, validation run eagerly. TP 2 without
+    # compile is the two flavors above; TP with tied embeddings is covered by gradient unit tests.
     Flavor("tp2_compile", 2, ("--training.local_batch_size", "8", *_val(1), "--compile.enable", "true",
                               "--parallelism.tensor_parallel_degree", "2")),
-    Flavor("fsdp2_tied", 2, ("--training.local_batch_size", "4", *_val(2), "--model.flavor", "debugmodel_tied"),
-           reference="single_process_tied"),
 ]

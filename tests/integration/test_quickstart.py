@@ -73,6 +73,11 @@ def test_loss_compare_script(tmp_path):
     differ = subprocess.run([sys.executable, script, str(a), str(b)], capture_output=True, text=True)
     assert same.returncode == 0, same.stdout + same.stderr
     assert differ.returncode == 1 and "above rtol" in differ.stdout
+    png = tmp_path / "curves.png"
+    plotted = subprocess.run([sys.executable, script, str(a), str(b), "--rtol", "0.1", "--plot", str(png)],
+                             capture_output=True, text=True)
+    assert plotted.returncode == 0, plotted.stdout + plotted.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tokenizer_larger_than_the_model_vocab_is_rejected_before_training(tmp_path, tt_cache_dir):

@@ -66,3 +66,38 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) 
     return [results[r] for r in range(world)]
 
 
+
+
+def _child(fn: Callable, queue: Any, args: tuple) -> None:
+    code = 1
+    try:
+        queue.put((None, fn(*args)))
+        code = 0
+    except BaseException:
+        queue.put((traceback.format_exc(), None))
+    finally:
+        queue.close()
+        queue.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def in_child(fn: Callable, *args: Any, timeout: float = 300.0) -> Any:
+    """fn(*args) in a forked child (no process group); returns its picklable result.
+
+    For work that leaves process-wide state behind (a fake process group registers group names that later
+    process groups of forked test workers would resolve to): the pytest process itself stays clean.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, queue, args))
+    proc.start()
+    try:
+        err, out = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    assert err is None, f"child failed:\n{err}"
+    return out

@@ -141,8 +141,7 @@ def test_count_target_tokens_ignores_minus_100():
     assert count_target_tokens(torch.tensor([[-1, -100]])).item() == 1
 
 
-def test_compiled_loss_matches_eager():
-    # compile.components = ["loss"] (without loss parallel) runs this through inductor
+def _compiled_loss_vs_eager() -> None:
     from torchtitan.distributed.compile import compile_loss
 
     g = torch.Generator().manual_seed(0)
@@ -155,3 +154,11 @@ def test_compiled_loss_matches_eager():
     (compiled_grad,) = torch.autograd.grad(compiled, logits)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_loss_matches_eager():
+    # compile.components = ["loss"] (without loss parallel) runs this through inductor. In a child process:
+    # inductor leaves worker threads behind, and later tests fork gloo workers from this process.
+    from tests.unit.forked import in_child
+
+    in_child(_compiled_loss_vs_eager)

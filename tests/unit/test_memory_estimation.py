@@ -6,7 +6,9 @@ the estimator, from the profiler's allocator events (every CPU allocation and fr
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tests.unit.forked import run_ranks
+from tests.unit.forked import in_child, run_ranks
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -68,7 +70,7 @@ def _measure(rank: int, args: list[str], world: int) -> int:
 def test_estimate_within_5_percent_of_measured(world, layout):
     args = [*BASE, *layout]
     measured = run_ranks(_measure, args, world, world=world, timeout=300)
-    est = estimate_rank(parse_args(args), world, rank=0, device_type="cpu")
+    est = in_child(estimate_rank, parse_args(args), world, 0, "cpu")
     # Real CPU peaks differ by a few percent between ranks and runs: gloo releases collective buffers from its
     # own threads at timing-dependent moments. The estimate follows the program order (no such delays), so it
     # must be within 5% of the lowest rank's peak and not above the highest.
@@ -85,32 +87,38 @@ def test_depth_extrapolation_equals_the_full_run():
     args = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--training.seq_len", "256",
             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
     cfg = parse_args(args)
-    exact = estimate_rank(cfg, 8, device_type="cuda", n_layers=12)
+    exact = in_child(estimate_rank, cfg, 8, 0, "cuda", 1, 12)
     from torchtitan.estimation import engine
 
     samples = engine.sample_layer_counts(cfg, 12)
     assert samples == (4, 8)
-    low, high = (estimate_rank(cfg, 8, device_type="cuda", n_layers=n) for n in samples)
+    low, high = (in_child(estimate_rank, cfg, 8, 0, "cuda", 1, n) for n in samples)
     for step, peak in exact.step_peaks.items():
         extrapolated = low.step_peaks[step].bytes + (high.step_peaks[step].bytes - low.step_peaks[step].bytes) * 2
         assert abs(extrapolated - peak.bytes) <= 1e-3 * peak.bytes, (step, extrapolated, peak.bytes)
 
 
 def test_every_category_is_reported_and_adds_up():
-    est = estimate(parse_args([*BASE, "--training.local_batch_size", "2"]), 2, device_type="cpu")
+    est = in_child(estimate, parse_args([*BASE, "--training.local_batch_size", "2"]), 2, 0, "cpu")
     assert set(est.breakdown) == set(CATEGORIES)
     assert sum(est.breakdown.values()) == est.peak_bytes
     assert est.breakdown["activations"] > 0 and est.breakdown["parameters"] > 0
     assert est.peak_phase.startswith(("forward", "loss", "backward", "optimizer"))
 
 
-def _script(args: list[str], capsys) -> tuple[int, str, str]:
+def _run_script(args: list[str]) -> tuple[int, str, str]:
     spec = importlib.util.spec_from_file_location("estimate_memory", REPO / "scripts" / "estimate_memory.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    code = module.main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = module.main(args)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _script(args: list[str], capsys) -> tuple[int, str, str]:
+    # in a child: estimating creates a fake process group, which must not outlive the call in pytest's process
+    return in_child(_run_script, args)
 
 
 def test_script_json_and_verdict(capsys):
@@ -139,7 +147,7 @@ def test_ddp_is_a_clear_error():
     cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
                       "1"])
     with pytest.raises(ValueError, match="does not model DDP yet"):
-        estimate(cfg, 2, device_type="cpu")
+        estimate(cfg, 2, device_type="cpu")  # raised before any process group exists
 
 
 def _env() -> dict[str, str]:
