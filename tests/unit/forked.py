@@ -1,5 +1,9 @@
-"""Run a function on N forked gloo ranks of this process (about 1 s for 2 ranks, see DESIGN) and collect results.
+"""Run a function on N gloo ranks forked from a clean fork server (about 1 s for 2 ranks) and collect results.
 
+Workers are forked from multiprocessing's fork server, not from pytest's process: by the time the unit tests
+run, pytest's process has threads of its own (integration launches, TensorBoard, W&B, data workers), and a
+child forked while one of them held a lock hung for 300 s in CI (measured: the first TP test, only in the full
+suite). The fork server is a fresh process with torch preloaded, so each fork stays ~1 s.
 Every worker ends with os._exit so gloo's exit-time abort cannot turn a pass into a failure.
 """
 
@@ -16,6 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torchtitan.models.llama3"])
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
@@ -44,7 +51,7 @@ def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tu
 
 
 def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) -> list[Any]:
-    ctx = mp.get_context("fork")
+    ctx = _CTX
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -84,12 +91,12 @@ def _child(fn: Callable, queue: Any, args: tuple) -> None:
 
 
 def in_child(fn: Callable, *args: Any, timeout: float = 300.0) -> Any:
-    """fn(*args) in a forked child (no process group); returns its picklable result.
+    """fn(*args) in a child of the fork server (no process group); returns its picklable result.
 
     For work that leaves process-wide state behind (a fake process group registers group names that later
     process groups of forked test workers would resolve to): the pytest process itself stays clean.
     """
-    ctx = mp.get_context("fork")
+    ctx = _CTX
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, queue, args))
     proc.start()

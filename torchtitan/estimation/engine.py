@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -120,15 +121,17 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
 
     start = time.perf_counter()
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if parallel_dims.ddp_enabled:
-        raise ValueError("the memory estimator does not model DDP yet (DDP's C++ reducer needs real storage); "
-                         "estimate data_parallel_shard_degree > 1 (FSDP) or HSDP instead")
     if dist.is_initialized():
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        model, model_args, loss_parallel, grad_accum = build_parallel_model(cfg, parallel_dims, device_type,
-                                                                            n_layers)
+        spec = get_model_spec(cfg.model.name)
+        with _ddp_stand_in(spec.parallelize_fn) if parallel_dims.ddp_enabled else nullcontext():
+            model, model_args, loss_parallel, grad_accum = build_parallel_model(cfg, parallel_dims, device_type,
+                                                                                n_layers)
+        # As in the trainer: DDP has no mixed-precision policy, bf16 comes from autocast.
+        use_autocast = parallel_dims.ddp_enabled and _param_dtype(cfg, device_type) == "bfloat16"
+        autocast = torch.autocast("cpu", torch.bfloat16) if use_autocast else nullcontext()
         tracker = MemoryTracker()
         with TrackingFakeTensorMode(tracker, allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -142,10 +145,39 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
                 tracker.track(t)
             with tracker, untracked_dtensor_metadata(tracker):
                 run_steps(model, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, tracker.set_phase,
-                          steps=steps)
-            return _summarise(tracker, model, optimizer, rank, world_size, time.perf_counter() - start)
+                          steps=steps, autocast=autocast)
+            est = _summarise(tracker, model, optimizer, rank, world_size, time.perf_counter() - start)
+            if parallel_dims.ddp_enabled:
+                _add_ddp_buckets(est, model)
+            return est
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def _ddp_stand_in(parallelize_fn):
+    """DDP's C++ reducer reads real storage when it builds its buckets, which fake tensors do not have. Build the
+    model through the trainer's parallelize function with DDP's wrapper left out; _add_ddp_buckets adds what the
+    reducer allocates."""
+    namespace = parallelize_fn.__globals__
+    if "apply_ddp" not in namespace:
+        raise ValueError("the memory estimator cannot model this model's DDP wrapper")
+    original = namespace["apply_ddp"]
+    namespace["apply_ddp"] = lambda model, mesh: model
+    try:
+        yield
+    finally:
+        namespace["apply_ddp"] = original
+
+
+def _add_ddp_buckets(est: Estimate, model) -> None:
+    """DDP (gradient_as_bucket_view off) keeps one flat bucket copy of every gradient, in the parameters' dtype,
+    from its first forward on: a constant that is alive in every phase of every step."""
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    for peak in est.step_peaks.values():
+        if peak.phase != "setup":
+            peak.bytes += buckets
+            peak.breakdown["communication"] += buckets
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -162,7 +194,7 @@ def _create_optimizer_state(model, optimizer) -> None:
 
 
 def run_steps(model, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
-              set_phase, steps: int = 2) -> None:
+              set_phase, steps: int = 2, autocast=None) -> None:
     """What Trainer.train_step does, on random tokens: every micro-batch's forward, loss and backward, then
     clipping and the optimizer step. Shared by the estimator (fake tensors) and the accuracy tests (real ones)."""
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
@@ -173,7 +205,8 @@ def run_steps(model, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
             set_phase("forward" + where)
             tokens = torch.randint(0, vocab_size, (b, s))
             labels = torch.randint(0, vocab_size, (b, s))
-            logits = model(tokens)
+            with autocast if autocast is not None else nullcontext():
+                logits = model(tokens)
             set_phase("loss" + where)
             with loss_parallel_context(loss_parallel):
                 loss = cross_entropy_sum(logits, labels)
