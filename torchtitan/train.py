@@ -17,6 +17,7 @@ from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.step import forward_backward_step
 from torchtitan.components.validate import Validator, validation_shape
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, parse_args, to_dict
@@ -27,7 +28,6 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
 from torchtitan.distributed.preemption import PreemptionFlag
-from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import init_logger, logger
@@ -70,7 +70,6 @@ class Trainer:
             dp_degree=dp_mesh.size(),
             num_workers=t.num_workers,
         )
-        # With loss parallel the logits stay vocab-sharded over tp; the context must cover loss and backward.
         self.loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
@@ -82,20 +81,20 @@ class Trainer:
                 self.loss_fn = compile_loss(cross_entropy_sum, cfg.compile.backend)
         # Measured (torch 2.13, CPU): a TP block compiled for training fails when recompiled under no_grad
         # ("'Tensor' object has no attribute 'elem'", an async-collective input). Validation runs it eagerly.
-        self.validate_eager = parallel_dims.tp_enabled and cfg.compile.enable and "model" in cfg.compile.components
+        validate_eager = parallel_dims.tp_enabled and cfg.compile.enable and "model" in cfg.compile.components
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(cfg, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(), self.loss_mesh,
-                                       self.device, str(default_cache_dir() / "datasets"))
+                                       self.device, str(default_cache_dir() / "datasets"), loss_fn=self.loss_fn,
+                                       loss_parallel=self.loss_parallel, eager=validate_eager)
 
         # Build on meta, parallelize, then materialise: no rank ever holds the full unsharded model.
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         self.nparams, self.flops_per_token = spec.nparams_and_flops_fn(model, model_args, cfg.training.seq_len)
-        param_dtype = cfg.training.mixed_precision_param
-        if self.device.type == "cpu" and param_dtype != "float32":
+        param_dtype = device_tools.training_param_dtype(cfg.training.mixed_precision_param, self.device.type)
+        if param_dtype != cfg.training.mixed_precision_param:
             logger.info("CPU run: training in float32 (training.mixed_precision_param applies on GPU)")
-            param_dtype = "float32"
         self.model = spec.parallelize_fn(model, parallel_dims, cfg, param_dtype)
         self.model.to_empty(device=self.device)
         with torch.no_grad():
@@ -153,25 +152,15 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Forward/backward every micro-batch, clip, step. Returns (local loss sum, local tokens, global
         tokens, grad norm)."""
-        self.optimizer.zero_grad(set_to_none=True)
         # Counted on the host (labels arrive there) so logging never waits on the device for it.
         local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches)
-        # Every rank divides by the same global count, so summed gradients equal the 1-process gradient.
         global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
-        local_loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            with self.autocast:
-                logits = self.model(inputs)
-            with loss_parallel_context(self.loss_parallel):
-                loss_sum = self.loss_fn(logits, labels)
-                del logits
-                (loss_sum / global_tokens).backward()
-            local_loss_sum += local_value(loss_sum.detach())
-        grad_norm = dist_utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
-        self.optimizer.step()
+        local_loss_sum, grad_norm = forward_backward_step(
+            self.model, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
+            max_norm=self.cfg.training.max_norm, device=self.device, autocast=self.autocast,
+            loss_parallel=self.loss_parallel,
+        )
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm
 
@@ -196,8 +185,7 @@ class Trainer:
                 gc.collect(1)
             validation = {}
             if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
-                validation = self.validator.validate(self.model, self.autocast, self.loss_fn, self.loss_parallel,
-                                                     eager=self.validate_eager)
+                validation = self.validator.validate(self.model, self.autocast)
             if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
                 # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.

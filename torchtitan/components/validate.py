@@ -31,8 +31,11 @@ def validation_shape(cfg: JobConfig) -> tuple[int, int]:
 
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, loss_mesh, device: torch.device,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, *, loss_fn=cross_entropy_sum, loss_parallel: bool = False,
+                 eager: bool = False):
+        """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad)."""
         self.cfg, self.tokenizer, self.loss_mesh, self.device = cfg, tokenizer, loss_mesh, device
+        self.loss_fn, self.loss_parallel, self.eager = loss_fn, loss_parallel, eager
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.local_batch_size, self.seq_len = validation_shape(cfg)
         # Built now, so a missing file or column fails before the first training step.
@@ -58,13 +61,11 @@ class Validator:
         )
 
     @torch.no_grad()
-    def validate(self, model: nn.Module, autocast, loss_fn=cross_entropy_sum, loss_parallel: bool = False,
-                 eager: bool = False) -> dict[str, float]:
-        """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad)."""
-        with torch.compiler.set_stance("force_eager") if eager else nullcontext():
-            return self._validate(model, autocast, loss_fn, loss_parallel)
+    def validate(self, model: nn.Module, autocast) -> dict[str, float]:
+        with torch.compiler.set_stance("force_eager") if self.eager else nullcontext():
+            return self._validate(model, autocast)
 
-    def _validate(self, model: nn.Module, autocast, loss_fn, loss_parallel: bool) -> dict[str, float]:
+    def _validate(self, model: nn.Module, autocast) -> dict[str, float]:
         loader = self.loader
         model.eval()
         loss_sum = torch.zeros((), device=self.device)
@@ -76,8 +77,8 @@ class Validator:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with autocast:
                 logits = model(inputs)
-            with loss_parallel_context(loss_parallel):
-                loss_sum += local_value(loss_fn(logits, labels))
+            with loss_parallel_context(self.loss_parallel):
+                loss_sum += local_value(self.loss_fn(logits, labels))
             tokens += count_target_tokens(labels)
             batches += 1
         model.train()

@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
-from torchtitan.distributed.tensor_parallel import loss_parallel_context
-from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
@@ -32,6 +31,7 @@ from torchtitan.estimation.tracker import (
     untracked_dtensor_metadata,
 )
 from torchtitan.models.registry import get_model_spec
+from torchtitan.tools.device import training_param_dtype
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication")
 _COLLECTIVES = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "all_to_all", "broadcast")
@@ -78,8 +78,7 @@ class Estimate:
 
 
 def _param_dtype(cfg: JobConfig, device_type: str) -> str:
-    # The trainer trains in fp32 on CPU whatever the config says (training.mixed_precision_param is for GPUs).
-    return "float32" if device_type == "cpu" else cfg.training.mixed_precision_param
+    return training_param_dtype(cfg.training.mixed_precision_param, device_type)
 
 
 def _storage_ids(tensors) -> set[int]:
@@ -195,28 +194,21 @@ def _create_optimizer_state(model, optimizer) -> None:
 
 def run_steps(model, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
               set_phase, steps: int = 2, autocast=None) -> None:
-    """What Trainer.train_step does, on random tokens: every micro-batch's forward, loss and backward, then
-    clipping and the optimizer step. Shared by the estimator (fake tensors) and the accuracy tests (real ones)."""
+    """`steps` training steps on random tokens through the trainer's own step (forward_backward_step). Shared by
+    the estimator (fake tensors) and the accuracy tests (real ones)."""
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     for step in range(1, steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        for micro in range(grad_accum):
-            where = f" (step {step}, micro-batch {micro + 1}/{grad_accum})"
-            set_phase("forward" + where)
-            tokens = torch.randint(0, vocab_size, (b, s))
-            labels = torch.randint(0, vocab_size, (b, s))
-            with autocast if autocast is not None else nullcontext():
-                logits = model(tokens)
-            set_phase("loss" + where)
-            with loss_parallel_context(loss_parallel):
-                loss = cross_entropy_sum(logits, labels)
-                del logits
-                set_phase("backward" + where)
-                (loss / (b * s * grad_accum)).backward()
-            del loss, tokens, labels
-        set_phase(f"optimizer (step {step})")
-        clip_grad_norm_(model.parameters(), cfg.training.max_norm)
-        optimizer.step()
+        def on_phase(kind: str, micro: int | None, step: int = step) -> None:
+            detail = f", micro-batch {micro + 1}/{grad_accum}" if micro is not None else ""
+            set_phase(f"{kind} (step {step}{detail})")
+
+        microbatches = [(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
+                        for _ in range(grad_accum)]
+        forward_backward_step(model, optimizer, microbatches, torch.tensor(b * s * grad_accum),
+                              loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
+                              device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,
+                              on_phase=on_phase)
+        del microbatches
         set_phase(f"between steps (step {step})")
 
 

@@ -26,6 +26,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def training_param_dtype(requested: str, device_type: str) -> str:
+    """The parameter dtype training actually uses: fp32 on CPU whatever the config asks (bf16 there is for GPUs)."""
+    return "float32" if device_type == "cpu" else requested
+
+
 def distributed_backend() -> str:
     """NCCL (RCCL on ROCm) for GPUs; gloo is the only portable choice on CPU."""
     return "nccl" if device_type() == "cuda" else "gloo"

@@ -1,0 +1,55 @@
+"""One optimizer step over a list of micro-batches: the code the trainer runs and the memory estimator traces.
+
+Kept outside the Trainer so the estimator (torchtitan/estimation) follows exactly what training does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
+from torchtitan.distributed.utils import clip_grad_norm_
+
+
+def forward_backward_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    global_tokens: torch.Tensor,
+    *,
+    loss_fn: Callable,
+    max_norm: float,
+    device: torch.device,
+    autocast=None,
+    loss_parallel: bool = False,
+    on_phase: Callable[[str, int | None], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward every micro-batch, clip, step. Returns (local loss sum, grad norm).
+
+    Every rank divides its loss sum by the same global token count, so summed gradients equal the 1-process
+    gradient. `on_phase(kind, micro_batch)` is told forward / loss / backward (per micro-batch) and optimizer.
+    """
+    phase = on_phase or (lambda kind, micro: None)
+    optimizer.zero_grad(set_to_none=True)
+    local_loss_sum = torch.zeros((), device=device)
+    for micro, (inputs, labels) in enumerate(microbatches):
+        phase("forward", micro)
+        inputs = inputs.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast if autocast is not None else nullcontext():
+            logits = model(inputs)
+        phase("loss", micro)
+        # With loss parallel the logits stay vocab-sharded over tp; the context must cover loss and backward.
+        with loss_parallel_context(loss_parallel):
+            loss_sum = loss_fn(logits, labels)
+            del logits
+            phase("backward", micro)
+            (loss_sum / global_tokens).backward()
+        local_loss_sum += local_value(loss_sum.detach())
+    phase("optimizer", None)
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return local_loss_sum, grad_norm
