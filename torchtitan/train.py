@@ -7,17 +7,20 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
+from torchtitan.components.checkpoint_io import one_line
 from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.step import forward_backward_step
+from torchtitan.components.step_guard import StepGuard, TrainingError
 from torchtitan.components.validate import Validator, validation_shape
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import ConfigError, parse_args, to_dict
@@ -32,12 +35,17 @@ from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import init_logger, logger
 
+COMM_TRACES = "comm_traces"
+"""Folder inside job.dump_folder where flight-recorder dumps go after a failed or timed-out collective"""
+
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, parallel_dims: ParallelDims, grad_accum_steps: int):
+    def __init__(self, cfg: JobConfig, parallel_dims: ParallelDims, grad_accum_steps: int, device: torch.device):
+        """`device` and the default process group come from init_distributed (run() below); the parity tests
+        build several Trainers, one layout after another, inside one persistent group of processes."""
         self.cfg, self.parallel_dims, self.grad_accum_steps = cfg, parallel_dims, grad_accum_steps
         self.rank = dist_utils.env_world()[0]
-        self.device = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
+        self.device = device
         parallel_dims.build_mesh(self.device.type)
         self.loss_mesh = parallel_dims.mesh("dp_cp")
         seed = 0 if cfg.debug.seed is None else cfg.debug.seed
@@ -129,8 +137,12 @@ class Trainer:
         )
         if not cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.load()
+            self.checkpointer.check_continuation(cfg.training.steps)
         self.first_step = self.train_state.step + 1
-        self.stop_signal = PreemptionFlag(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else "none")
+        self.stop_signal = PreemptionFlag(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else "none",
+                                          grace_s=cfg.comm.train_timeout_seconds)
+        self.guard = StepGuard(cfg.training.on_nonfinite, self.model, self.stop_signal, self.device)
+        self.guard.skipped_steps = self.train_state.skipped_steps
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
@@ -149,57 +161,83 @@ class Trainer:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / self.cfg.job.save_config_file).write_text(text + "\n")
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
-        """Forward/backward every micro-batch, clip, step. Returns (local loss sum, local tokens, global
+    def train_step(self, step: int, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Forward/backward every micro-batch, check, clip, step. Returns (local loss sum, local tokens, global
         tokens, grad norm)."""
         # Counted on the host (labels arrive there) so logging never waits on the device for it.
         local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches)
         global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
+        self.guard.step = step
         local_loss_sum, grad_norm = forward_backward_step(
             self.model, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
             max_norm=self.cfg.training.max_norm, device=self.device, autocast=self.autocast,
-            loss_parallel=self.loss_parallel,
+            loss_parallel=self.loss_parallel, should_step=self.guard.should_step,
         )
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm
 
-    def train(self) -> None:
+    def train(self, after_step: Callable[[int], None] | None = None) -> None:
+        """Train until training.steps (or an agreed stop signal). `after_step(step)` runs after each step's
+        update and log, before its checkpoint (the parity tests read the parameters there)."""
         cfg = self.cfg.training
         data_iter = iter(self.dataloader)
         gc.disable()  # collect on a fixed cadence instead of at random points inside a step
         gc.collect(1)
         window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
         self.memory.reset_peak()
-        for step in range(self.train_state.step + 1, cfg.steps + 1):
-            t = time.perf_counter()
-            microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
-            data_wait += time.perf_counter() - t
-            loss_sum, local_tokens, global_tokens, grad_norm = self.train_step(microbatches)
-            self.train_state.step = step
-            self.train_state.tokens_seen += int(global_tokens)
-            window_tokens += int(local_tokens)
-            if step == self.first_step:
-                dist_utils.set_pg_timeout(self.cfg.comm.train_timeout_seconds)
-            if step % cfg.gc_freq == 0:
-                gc.collect(1)
-            validation = {}
-            if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
-                validation = self.validator.validate(self.model, self.autocast)
-            if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
-                elapsed = time.perf_counter() - window_start
-                # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
-                tps = window_tokens / elapsed / self.parallel_dims.non_data_parallel_size
-                self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, tps,
-                          100.0 * data_wait / elapsed, validation)
-                window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
-                self.memory.reset_peak()
-            stop = self.stop_signal.agreed(self.device)
-            self.checkpointer.maybe_save(step, last_step=step == cfg.steps, force=stop)
-            if stop:
-                logger.info(f"{self.stop_signal.name} received: checkpoint saved after step {step}; exiting")
-                return
-        logger.info(f"training finished after {cfg.steps} steps")
+        try:
+            for step in range(self.train_state.step + 1, cfg.steps + 1):
+                t = time.perf_counter()
+                microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+                data_wait += time.perf_counter() - t
+                loss_sum, local_tokens, global_tokens, grad_norm = self._guarded_step(step, microbatches)
+                self.train_state.step = step
+                self.train_state.tokens_seen += int(global_tokens)
+                self.train_state.skipped_steps = self.guard.skipped_steps
+                window_tokens += int(local_tokens)
+                if step == self.first_step:  # compilation and first collectives are behind us
+                    dist_utils.set_training_timeout(self.cfg.comm.train_timeout_seconds,
+                                                    keep=[self.checkpointer.process_group])
+                if step % cfg.gc_freq == 0:
+                    gc.collect(1)
+                validation = {}
+                if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
+                    validation = self.validator.validate(self.model, self.autocast)
+                if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps \
+                        or validation:
+                    elapsed = time.perf_counter() - window_start
+                    # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
+                    tps = window_tokens / elapsed / self.parallel_dims.non_data_parallel_size
+                    self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, tps,
+                              100.0 * data_wait / elapsed, validation)
+                    window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
+                    self.memory.reset_peak()
+                if after_step is not None:
+                    after_step(step)
+                stop = self.guard.stop_requested
+                if stop:
+                    self.stop_signal.acknowledge()
+                self.checkpointer.maybe_save(step, last_step=step == cfg.steps, force=stop)
+                if stop:
+                    logger.info(f"{self.stop_signal.name} received: checkpoint saved after step {step}; exiting")
+                    return
+            logger.info(f"training finished after {cfg.steps} steps")
+        finally:
+            self.stop_signal.acknowledge()  # finishing or failing, not stuck: no watchdog exit
+            gc.enable()
+
+    def _guarded_step(self, step: int, microbatches):
+        """train_step, with any failure named by its step; after a failed collective this rank's flight
+        recorder (comm.trace_buf_size) is written to <dump_folder>/comm_traces for diagnosis."""
+        try:
+            return self.train_step(step, microbatches)
+        except TrainingError:
+            raise
+        except Exception as e:
+            traces = dist_utils.dump_comm_traces(self.dump_folder / COMM_TRACES, self.rank)
+            where = f"; collective traces in {traces}" if traces else ""
+            raise TrainingError(f"step {step} failed: {one_line(e)}{where}") from e
 
     def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float,
              validation: dict[str, float]) -> None:
@@ -216,6 +254,7 @@ class Trainer:
             "mfu": None if self.peak_flops is None else round(100.0 * tflops * 1e12 / self.peak_flops, 2),
             "data_wait_pct": round(data_pct, 2),
             "tokens_seen": self.train_state.tokens_seen,
+            "skipped_steps": self.train_state.skipped_steps,
             **self.memory.snapshot(),
             **validation,
         })
@@ -258,28 +297,42 @@ def main(argv: list[str] | None = None) -> None:
         dist_utils.exit_process(2)
     if cfg.memory_estimation.enable:
         _estimate_and_exit(cfg, rank, world_size)
+    dist_utils.exit_process(run(cfg, parallel_dims, grad_accum_steps))
+
+
+def run(cfg: JobConfig, parallel_dims: ParallelDims, grad_accum_steps: int) -> int:
+    """Create the process group, set up, train, close. Returns the exit code: 0 done, 1 failed, 2 bad setup."""
+    rank = dist_utils.env_world()[0]
     try:
-        trainer = Trainer(cfg, parallel_dims, grad_accum_steps)
+        device = dist_utils.init_distributed(cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size,
+                                             Path(cfg.job.dump_folder) / COMM_TRACES)
+        trainer = Trainer(cfg, parallel_dims, grad_accum_steps, device)
     except (ValueError, FileNotFoundError) as e:
-        # Setup errors (tokenizer, data, vocab) name their key or file: one line, no traceback.
+        # Setup errors (tokenizer, data, vocab, checkpoint folder) name their key or file: one line, no traceback.
         print(f"[rank{rank}] error: {e}", file=sys.stderr)
         dist_utils.record_failure(e)
-        dist_utils.exit_process(2)
+        return 2
     except BaseException as e:  # noqa: BLE001 - any failure must reach the launcher as a non-zero exit
         logger.exception(f"rank {rank}: setup failed")
         dist_utils.record_failure(e)
-        dist_utils.exit_process(1)
+        return 1
     try:
         if cfg.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save_seed_checkpoint()
         else:
             trainer.train()
         trainer.close()
+    except TrainingError as e:
+        if e.__cause__ is not None:  # a step failed on an exception: its traceback is the evidence
+            logger.error(f"rank {rank}: traceback of the failure", exc_info=e.__cause__)
+        print(f"[rank{rank}] error: {e}", file=sys.stderr)
+        dist_utils.record_failure(e)
+        return 1
     except BaseException as e:  # noqa: BLE001
         logger.exception(f"rank {rank}: training failed")
         dist_utils.record_failure(e)
-        dist_utils.exit_process(1)
-    dist_utils.exit_process(0)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

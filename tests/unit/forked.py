@@ -1,16 +1,11 @@
-"""Run a function on N gloo ranks forked from a clean fork server (about 1 s for 2 ranks) and collect results.
-
-Workers are forked from multiprocessing's fork server, not from pytest's process: by the time the unit tests
-run, pytest's process has threads of its own (integration launches, TensorBoard, W&B, data workers), and a
-child forked while one of them held a lock hung for 300 s in CI (measured: the first TP test, only in the full
-suite). The fork server is a fresh process with torch preloaded, so each fork stays ~1 s.
-Every worker ends with os._exit so gloo's exit-time abort cannot turn a pass into a failure.
+"""Run a function on N gloo ranks forked from the clean fork server (tests/forking.py; about 1 s for 2 ranks)
+and collect the results. Every worker ends with os._exit so gloo's exit-time abort cannot turn a pass into a
+failure (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,10 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torchtitan.models.llama3"])
+from tests.forking import CTX as _CTX
+from tests.forking import free_port
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
@@ -52,9 +46,7 @@ def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tu
 
 def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) -> list[Any]:
     ctx = _CTX
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args)) for r in range(world)]
     for p in procs:
@@ -71,8 +63,6 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) 
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
-
-
 
 
 def _child(fn: Callable, queue: Any, args: tuple) -> None:

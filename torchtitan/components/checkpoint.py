@@ -8,7 +8,11 @@ A full checkpoint `<dump_folder>/<checkpoint.folder>/step-<N>/` holds, under the
   train_state   {step, tokens_seen}
   rng           {"rank<r>": {"cpu": ..., "cuda": ...}}: each rank's generators under its own key, restored
                 only when resuming with the same world size
-Model-only checkpoints (the seed checkpoint, the final save with `last_save_model_only`) hold just `model`.
+The last step always writes a full checkpoint, so a finished run can be extended (more training.steps) exactly;
+`last_save_model_only` adds the weights alone as an export, `step-<N>-model/` (in `export_dtype`), and
+`last_save_in_hf` a Hugging Face folder `step-<N>-hf/`. The seed checkpoint (`step-0`) holds just `model`.
+A run never overwrites a complete checkpoint: resuming from a step older than what the folder already holds
+is an error before the first step (see `check_continuation`).
 Everything besides tensors is plain data, checked before saving and read back with `weights_only=True`.
 
 Completion, retention and the marker format are described in `checkpoint_io`. Saves, loads and their
@@ -55,13 +59,16 @@ class TrainState:
 
     step: int = 0
     tokens_seen: int = 0
+    skipped_steps: int = 0
+    """updates dropped because the loss or gradient was not finite (training.on_nonfinite=skip)"""
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": int(self.step), "tokens_seen": int(self.tokens_seen)}
+        return {"step": int(self.step), "tokens_seen": int(self.tokens_seen), "skipped_steps": int(self.skipped_steps)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))  # absent in older checkpoints
 
 
 class CheckpointManager:
@@ -139,9 +146,6 @@ class CheckpointManager:
         md = cio.read_metadata(path)
         present = {key.split(".", 1)[0] for key in md.state_dict_metadata}
         flat_model = cio.model_prefix(md) == ""  # a model-only folder written by another tool
-        if info.get("model_only") and info.get("step", 0) > 0 and "optimizer" in wanted:
-            logger.warning(f"checkpoint: {path} holds model weights only (a final save): optimizer, LR schedule, "
-                           "data position and step start fresh; set checkpoint.load_step to resume a full one")
         state: dict[str, Any] = {}
         if "model" in wanted:
             msd = get_model_state_dict(self.model)
@@ -157,7 +161,9 @@ class CheckpointManager:
         if "dataloader" in wanted and "dataloader" in present and self.dataloader is not None:
             state["dataloader"] = dict(self.dataloader.state_dict())
         if "train_state" in wanted and "train_state" in present:
-            state["train_state"] = self.train_state.state_dict()
+            # Only the entries this checkpoint has: older ones predate some of TrainState's fields.
+            state["train_state"] = {k: v for k, v in self.train_state.state_dict().items()
+                                    if f"train_state.{k}" in md.state_dict_metadata}
         if "rng" in wanted and "rng" in present:
             mine = f"rng.rank{self.rank}."
             saved = {k[len(mine):] for k in md.state_dict_metadata if k.startswith(mine)}
@@ -214,22 +220,41 @@ class CheckpointManager:
         logger.info(f"checkpoint: loaded model weights from Hugging Face folder {path} "
                     f"in {time.perf_counter() - t0:.2f}s")
 
+    def check_continuation(self, total_steps: int) -> None:
+        """After load(): fail before the first step if continuing would overwrite a checkpoint of the folder
+        (an earlier run got further than the step resumed from) or if training.steps is already behind."""
+        step = self.train_state.step
+        if step > total_steps:
+            raise ValueError(f"training.steps={total_steps} is below step {step}, where the resumed checkpoint "
+                             f"in {self.folder} stands: set training.steps > {step} to train on")
+        if step == total_steps and step > 0:
+            logger.info(f"checkpoint: the run already stands at training.steps={total_steps}: nothing to train "
+                        "(raise training.steps to extend it)")
+        if not self.cfg.enable:
+            return
+        later = [p.name for k, p in cio.saved_step_folders(self.folder) if k > step]
+        if later:
+            raise ValueError(
+                f"checkpoint: {self.folder} already holds {', '.join(later)} from a run that got further than step "
+                f"{step}, where this run resumes; continuing would overwrite them: move them away (or use another "
+                "job.dump_folder) to retrain from here, or resume from the newest (checkpoint.load_step = -1)")
+
     # ------------------------------------------------------------------ saving
     def maybe_save(self, step: int, *, last_step: bool = False, force: bool = False) -> None:
-        """Save if this step is due (interval, first step, last step) or `force`d (e.g. on SIGTERM).
+        """Save if this step is due (interval, first step, last step) or `force`d (e.g. on SIGTERM); after the
+        last step also write the exports (model-only, Hugging Face) the config asks for.
 
         With async_mode, returns once the state is staged; the files are written in the background.
         """
         cfg = self.cfg
-        if not cfg.enable or step == self._last_saved:
+        if not cfg.enable:
             return
         due = force or last_step or step % cfg.interval == 0 or (step == 1 and cfg.enable_first_step_checkpoint)
-        if not due:
-            return
-        if last_step and cfg.last_save_model_only:
-            self._save(step, model_only=True, dtype=cfg.export_dtype)
-        else:
+        if due and step != self._last_saved:
+            # Always the full state, the last step included: extending a finished run continues exactly.
             self._save(step, model_only=False)
+        if last_step and cfg.last_save_model_only:
+            self._save(step, model_only=True, dtype=cfg.export_dtype, name=f"step-{step}-model")
         if last_step and cfg.last_save_in_hf:
             self._export_hf(step)
 
@@ -241,15 +266,21 @@ class CheckpointManager:
         self._save(0, model_only=True, dtype=None)
         self.wait()
 
-    def _save(self, step: int, *, model_only: bool, dtype: str | None = None) -> None:
+    def _save(self, step: int, *, model_only: bool, dtype: str | None = None, name: str | None = None) -> None:
         self.wait()  # one save at a time: the previous one is published (and purged) before this one starts
-        path = self.folder / f"step-{step}"
-        if self.rank == 0:
+        path = self.folder / (name or f"step-{step}")
+
+        def prepare() -> None:
+            if cio.read_marker(path) is not None:
+                raise CheckpointError(f"{path} is a complete checkpoint; a run never overwrites one")
             if path.exists():
-                logger.info(f"checkpoint: replacing existing {path}")
+                logger.info(f"checkpoint: replacing the incomplete {path}")
                 cio.remove_checkpoint(path)
             path.mkdir(parents=True, exist_ok=True)
-        self._barrier()  # nobody writes into the folder before rank 0 cleared an old one of the same name
+
+        # Nobody writes into the folder before rank 0 cleared a leftover of the same name (the broadcast is
+        # the barrier), and every rank raises if rank 0 refused.
+        self._on_rank0(prepare, f"checkpoint: cannot save step {step}")
         t0 = time.perf_counter()
         state = self._model_state(dtype) if model_only else self._full_state()
         info = {"step": step, "world_size": self.world_size, "model_only": model_only,
@@ -339,6 +370,7 @@ class CheckpointManager:
     def _export_hf(self, step: int) -> None:
         from torchtitan.components.hf_io import save_hf
 
+        self.wait()  # the gather below and the error broadcast must not interleave with a background save
         t0 = time.perf_counter()
         # Collective: every rank contributes its shards, rank 0 receives the full tensors on CPU.
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -363,13 +395,22 @@ class CheckpointManager:
             if close is not None:
                 close()
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The checkpoint's own group: it keeps the start-up timeout (a save waits on the filesystem)."""
+        return self._pg
+
+    # Every collective on the checkpoint group from the training thread runs here, after `wait()`: a background
+    # save talks on the same group from another thread, and two users of one group at once hang or crash gloo.
     def _barrier(self) -> None:
+        self.wait()
         if self._pg is not None:
             dist.barrier(group=self._pg)
 
     def _on_rank0(self, fn: Callable[[], object], what: str) -> None:
         """Run `fn` on rank 0 and raise the same one-line error on every rank if it failed there, instead of
         leaving the others waiting in their next collective."""
+        self.wait()
         error = None
         if self.rank == 0:
             try:

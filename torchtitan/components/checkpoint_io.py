@@ -12,7 +12,7 @@ Retention rule (`purge`), applied by rank 0 only while no save is in flight:
   * incomplete folders: deleted only when their step is older than the newest complete checkpoint (a
     crashed save that a later save superseded); an incomplete folder newer than every complete one is
     left alone, because it may be a save in progress or the evidence of a crash someone wants to inspect;
-  * `step-<N>-hf` exports and anything else in the folder are never touched.
+  * `step-<N>-model` and `step-<N>-hf` exports and anything else in the folder are never touched.
 A folder is deleted marker first, so an interrupted deletion leaves an incomplete folder, never a
 complete-looking partial one.
 """
@@ -45,6 +45,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MARKER = ".complete"
 METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_EXPORT_DIR = re.compile(r"^step-(\d+)-(model|hf)$")
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
@@ -120,14 +121,27 @@ def resume_target(folder: Path, load_step: int) -> Path | None:
     if not complete:
         return None
     newest = max(complete)
-    # A model-only save after step 0 is a final export: a continuation (more training.steps) needs the
-    # full state, so resume from the newest full checkpoint when there is one and redo the steps since.
-    full = [s for s in complete if not (read_marker(complete[s]) or {}).get("model_only")]
-    if newest > 0 and full and (read_marker(complete[newest]) or {}).get("model_only"):
-        logger.info(f"checkpoint: step-{newest} holds model weights only; resuming from step-{max(full)}, "
-                    "the newest full checkpoint")
-        return complete[max(full)]
+    if newest > 0 and (read_marker(complete[newest]) or {}).get("model_only"):
+        # Written by an earlier version as the final save: weights without optimizer, schedule or data position.
+        full = [s for s in complete if not (read_marker(complete[s]) or {}).get("model_only")]
+        older = f"; or move it away and resume step-{max(full)} (the newest full one)" if full else ""
+        raise ValueError(f"checkpoint: {complete[newest]} holds model weights only, so training cannot continue "
+                         f"exactly from it: start a new run from those weights with checkpoint.initial_load_path "
+                         f"= {complete[newest]} and another job.dump_folder{older}")
     return complete[newest]
+
+
+def saved_step_folders(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of everything a save would refuse to overwrite: complete checkpoints and the
+    `step-<N>-model` / `step-<N>-hf` exports, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _STEP_DIR.match(p.name) or _EXPORT_DIR.match(p.name)
+        if m is not None and p.is_dir() and (p.name.endswith("-hf") or read_marker(p) is not None):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
 
 
 def remove_checkpoint(path: Path) -> None:

@@ -10,8 +10,9 @@ from contextlib import nullcontext
 
 import torch
 
+from torchtitan.distributed.fsdp import set_gradient_sync
 from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
-from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.distributed.utils import clip_grads_, total_grad_norm
 
 
 def forward_backward_step(
@@ -26,17 +27,23 @@ def forward_backward_step(
     autocast=None,
     loss_parallel: bool = False,
     on_phase: Callable[[str, int | None], None] | None = None,
+    should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward every micro-batch, clip, step. Returns (local loss sum, grad norm).
+    """Forward/backward every micro-batch, clip, step. Returns (local loss sum, grad norm before clipping).
 
     Every rank divides its loss sum by the same global token count, so summed gradients equal the 1-process
     gradient. `on_phase(kind, micro_batch)` is told forward / loss / backward (per micro-batch) and optimizer.
+    `should_step(local loss sum, grad norm)`, asked after the norm and before clipping, can veto the update
+    (the trainer's non-finite check); the gradients are then left as they are for the next zero_grad.
     """
     phase = on_phase or (lambda kind, micro: None)
     optimizer.zero_grad(set_to_none=True)
     local_loss_sum = torch.zeros((), device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    last = len(microbatches) - 1
     for micro, (inputs, labels) in enumerate(microbatches):
         phase("forward", micro)
+        set_gradient_sync(model, micro == last)  # DDP reduces once, after the last micro-batch
         inputs = inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         with autocast if autocast is not None else nullcontext():
@@ -50,6 +57,8 @@ def forward_backward_step(
             (loss_sum / global_tokens).backward()
         local_loss_sum += local_value(loss_sum.detach())
     phase("optimizer", None)
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
+    grad_norm = total_grad_norm(params)
+    if should_step is None or should_step(local_loss_sum, grad_norm):
+        clip_grads_(params, max_norm, grad_norm)
+        optimizer.step()
     return local_loss_sum, grad_norm

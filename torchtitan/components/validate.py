@@ -18,6 +18,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.fsdp import reshard
 from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
 from torchtitan.tools.logging import logger
 
@@ -81,6 +82,7 @@ class Validator:
                 loss_sum += local_value(self.loss_fn(logits, labels))
             tokens += count_target_tokens(labels)
             batches += 1
+        reshard(model)  # see distributed/fsdp.py: gathered parameters would break the next training step
         model.train()
         total_loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum")
         total_tokens = dist_utils.all_reduce(tokens, self.loss_mesh, "sum")

@@ -89,6 +89,8 @@ class Training:
     """Tokens per training sequence"""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables clipping, the norm is still logged)"""
+    on_nonfinite: str = "stop"
+    """stop | skip: on a NaN/inf loss or gradient norm, stop (naming the step and gradient) or skip the update"""
     steps: int = 10000
     """Number of optimizer steps to train"""
     enable_cpu_offload: bool = False

@@ -99,6 +99,7 @@ def _check_training(cfg: JobConfig) -> None:
     _one_of("training.mixed_precision_param", t.mixed_precision_param, ("bfloat16", "float32"))
     _one_of("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
     _one_of("training.dataset_streaming", t.dataset_streaming, ("auto", "true", "false"))
+    _one_of("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     if t.num_workers < 0:
         _err(f"training.num_workers: must be >= 0, got {t.num_workers}")
     v = cfg.validation

@@ -66,20 +66,55 @@ def apply_fsdp(
     return model
 
 
-def _sum_allreduce_hook(group, bucket):
-    """DDP communication hook: SUM (not the default average) of each gradient bucket.
+def _sum_allreduce_hook(state: tuple, bucket):
+    """DDP communication hook: SUM (not the default average) of each gradient bucket, in the reduce dtype.
 
-    No annotations on purpose: DDP checks them against dist.GradBucket, and postponed (string) annotations
-    from `from __future__ import annotations` fail that check."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    `state` is (group, reduce dtype). No annotation on `bucket` on purpose: DDP checks it against
+    dist.GradBucket, and postponed (string) annotations from `from __future__ import annotations` fail that
+    check. A bfloat16 reduction halves the bytes on the wire; the sum is cast back into the float32 bucket.
+    """
+    group, reduce_dtype = state
+    buffer = bucket.buffer()
+    wire = buffer if buffer.dtype == reduce_dtype else buffer.to(reduce_dtype)
+    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+    def unpack(f):
+        out = f.value()[0]
+        return out if out.dtype == buffer.dtype else buffer.copy_(out)
+
+    return fut.then(unpack)
 
 
-def apply_ddp(model: nn.Module, mesh) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh, *, reduce_dtype: str = "float32") -> nn.Module:
     """Replicate the whole model over the 1-D dp_replicate mesh (fully-qualified names stay unchanged)."""
     from torch.distributed._composable.replicate import replicate
 
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
-    model.register_comm_hook(mesh.get_group(), _sum_allreduce_hook)
-    logger.info(f"applied DDP over {mesh.size()} replicas")
+    model.register_comm_hook((mesh.get_group(), _DTYPES[reduce_dtype]), _sum_allreduce_hook)
+    logger.info(f"applied DDP over {mesh.size()} replicas (gradients reduced in {reduce_dtype})")
     return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn DDP's gradient all-reduce on (last micro-batch) or off (the others); call before the forward.
+
+    DDP all-reduces the *accumulated* `.grad` after every backward, so with M micro-batches on W ranks
+    micro-batch m would be counted W^(M-1-m) times: it must reduce once, after the last. FSDP2 needs nothing:
+    it reduce-scatters each micro-batch's fresh gradient into the sharded `.grad`, which is correct (and
+    keeps gradient memory sharded), so FSDP/HSDP models are left alone.
+    """
+    if not isinstance(model, FSDPModule) and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters that a no-grad forward (validation) left behind.
+
+    Measured (torch 2.13): FSDP modules built with reshard_after_forward=False (the last block, norm and output,
+    the root) keep their parameters gathered after a forward under no_grad, and the next training step then
+    computes no gradient for them (with reshard "never" the whole gradient was zero). Resharding restores the
+    state a training forward expects.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,14 @@ def env_world() -> tuple[int, int, int]:
     )
 
 
-def init_distributed(timeout_s: int) -> torch.device:
-    """Pick the device (cuda or cpu) and create the default process group with the matching backend."""
+def init_distributed(timeout_s: int, trace_buf_size: int = 0, trace_folder: str | os.PathLike | None = None
+                     ) -> torch.device:
+    """Pick the device (cuda or cpu) and create the default process group with the matching backend.
+
+    trace_buf_size > 0 turns the flight recorder on (the last collectives of every group, for hang
+    diagnosis): it must be set in the environment before the first process group exists. On NCCL the
+    watchdog also dumps it by itself when a collective times out (`dump_comm_traces` covers gloo).
+    """
     rank, local_rank, world_size = env_world()
     device_type = device_tools.device_type()
     if device_type == "cuda":
@@ -36,6 +43,7 @@ def init_distributed(timeout_s: int) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    os.environ.update(flight_recorder_env(trace_buf_size, trace_folder, device_type))
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", str(rank))
@@ -51,25 +59,75 @@ def init_distributed(timeout_s: int) -> torch.device:
     return device
 
 
-def set_pg_timeout(timeout_s: int) -> None:
-    """Shorten the timeout once the first step (compilation, first collectives) is behind us."""
+def flight_recorder_env(trace_buf_size: int, trace_folder: str | os.PathLike | None, device_type: str
+                        ) -> dict[str, str]:
+    """Environment that turns on torch's flight recorder (read when a process group is created)."""
+    if trace_buf_size <= 0:
+        return {}
+    env = {"TORCH_FR_BUFFER_SIZE": str(trace_buf_size), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buf_size)}
+    if device_type == "cuda" and trace_folder is not None:
+        # NCCL's watchdog writes `<prefix><rank>` when a collective times out, before it tears the process down
+        # (the exception may never reach Python there).
+        Path(trace_folder).mkdir(parents=True, exist_ok=True)
+        env.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(Path(trace_folder) / "rank")})
+    return env
+
+
+def dump_comm_traces(trace_folder: str | os.PathLike, rank: int) -> Path | None:
+    """Write this rank's flight-recorder buffer (JSON) after a failed or timed-out collective; None if the
+    recorder is off or this torch cannot dump it."""
+    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) <= 0:
+        return None
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None:
+        return None
     try:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
-    except (AttributeError, ValueError, RuntimeError) as e:  # private API: keep the initial timeout if it moves
-        logger.warning(f"could not shorten the process-group timeout: {e}")
+        data = dump(True, True)
+    except Exception as e:  # diagnosis must never mask the failure being diagnosed
+        logger.warning(f"could not dump the flight recorder: {e}")
+        return None
+    path = Path(trace_folder) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else str(data).encode())
+    return path
+
+
+def set_training_timeout(timeout_s: int, keep: Iterable[dist.ProcessGroup] = ()) -> int:
+    """Give every process group (the default one, every mesh dimension's, every flattened view's) the training
+    timeout, once the first step (compilation, first collectives) is behind us; groups in `keep` (e.g. the
+    checkpoint group, which legitimately waits on the filesystem) keep theirs. Returns how many changed.
+
+    A hang inside FSDP or TP runs on a mesh subgroup, not on the default group: shortening only the default
+    group's timeout would leave real hangs waiting for the start-up timeout.
+    """
+    kept = {id(g) for g in keep if g is not None}
+    changed = 0
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if id(group) in kept or dist.distributed_c10d._rank_not_in_group(group):
+            continue
+        try:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+            changed += 1
+        except (AttributeError, ValueError, RuntimeError) as e:  # private API: keep the initial timeout if it moves
+            logger.warning(f"could not shorten the timeout of process group {group.group_name}: {e}")
+    return changed
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
-    """The same seed on every rank: parameters are initialised layout-invariantly (see param_init)."""
+    """The same seed on every rank: parameters are initialised layout-invariantly (see param_init).
+
+    Both switches are set either way, so a process that builds several trainers (the parity tests) never
+    inherits deterministic mode from an earlier one.
+    """
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
     if deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
 
 
 def all_reduce(value: torch.Tensor, mesh, op: str = "sum") -> torch.Tensor:
@@ -81,20 +139,44 @@ def all_reduce(value: torch.Tensor, mesh, op: str = "sum") -> torch.Tensor:
     return out
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total L2 norm of all gradients (DTensor or plain); clip to max_norm when max_norm > 0.
+def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of all gradients (DTensor or plain), accumulated in float64, the same on every rank.
 
-    For sharded (DTensor) gradients the per-rank norm is a partial value: `full_tensor()` reduces it over the
-    mesh the gradients live on, so every rank gets the same global norm. Later issues add the PP-stage and
-    expert/non-expert combinations (DESIGN rule 5).
+    Accumulated in float64 because the CPU float32 norm kernel sums one long sequential chain: on an
+    8192 x 256 gradient it came out 3.9e-4 low, and differently for every shard count, so each layout would
+    log (and clip by) a slightly different norm. Gradients living on different meshes (expert vs dense,
+    pipeline stages later) are reduced per mesh and combined as a sum of squares: DTensor cannot stack
+    values of different meshes. For a DTensor group, `full_tensor()` reduces the partial norm over every
+    mesh dimension the gradients are sharded on, in one all-reduce where a flattened group exists.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    squares = []
+    for grads in groups.values():
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+        group_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if isinstance(group_norm, DTensor):
+            group_norm = group_norm.full_tensor()
+        squares.append(group_norm.square())
+    if not squares:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_grads_(parameters: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm); max_norm <= 0 leaves them alone."""
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        params = [p for p in parameters if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total gradient norm (see total_grad_norm), then clip to max_norm when max_norm > 0."""
+    params = list(parameters)
+    total = total_grad_norm(params)
+    clip_grads_(params, max_norm, total)
     return total
 
 

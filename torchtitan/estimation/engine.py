@@ -162,7 +162,7 @@ def _ddp_stand_in(parallelize_fn):
     if "apply_ddp" not in namespace:
         raise ValueError("the memory estimator cannot model this model's DDP wrapper")
     original = namespace["apply_ddp"]
-    namespace["apply_ddp"] = lambda model, mesh: model
+    namespace["apply_ddp"] = lambda model, mesh, **kwargs: model
     try:
         yield
     finally:

@@ -35,4 +35,4 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward,
         )
-    return apply_ddp(model, parallel_dims.mesh("dp_replicate"))
+    return apply_ddp(model, parallel_dims.mesh("dp_replicate"), reduce_dtype=job_config.training.mixed_precision_reduce)

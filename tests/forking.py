@@ -1,0 +1,23 @@
+"""The one fork server every forked test process comes from (unit-test ranks, parity pools, children).
+
+Forked, not spawned: a child of a server that has torch and torchtitan imported starts in about a second
+instead of importing them again (~3 s each on 2 cores). Forked from a clean server, not from pytest's own
+process: by the time most tests run, pytest's process has threads of its own (integration launches,
+TensorBoard, W&B, data workers), and a child forked while one of them held a lock hung for 300 s in CI.
+All users share one server (a process has one), so the preload list covers all of them.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch.multiprocessing as mp
+
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torchtitan.train"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,190 @@
+"""What every rank of a pool (tests/integration/pool.py) runs for one layout, and how runs are compared.
+
+`run_layout` parses the layout's command line with the trainer's own config code, builds the Trainer exactly as
+`run_train.sh` would (mesh, model, parallelisms, data, optimizer, checkpoint), trains, and returns per step the
+metrics the trainer logged (loss, gradient norm before clipping, validation loss) and a checksum of every
+parameter after the step. `compare` checks a run against the 1-process reference at the tolerances of
+docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+# Tolerances, relative, derived in docs/testing.md from the measured noise floor of mathematically equal runs.
+TOLERANCE = {"loss": 1e-5, "val_loss": 1e-5, "grad_norm": 1e-4, "param": 1e-5}
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    """test id"""
+    nproc: int
+    """ranks of the pool that runs it"""
+    overrides: tuple[str, ...]
+    """config overrides on top of the common ones"""
+    reference: str = "single_process"
+    """the 1-process layout whose results this one must match"""
+
+
+def _new_groups(before: set) -> list:
+    return [g for g in dist.distributed_c10d._world.pg_map if g not in before]
+
+
+def run_layout(argv: list[str], dump_folder: str, faults: tuple = ()) -> dict | None:
+    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...]}, the others None."""
+    from torchtitan.config.manager import parse_args
+    from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+    from torchtitan.distributed.utils import env_world
+    from torchtitan.train import Trainer
+
+    rank, _, world = env_world()
+    cfg = parse_args([*argv, "--job.dump_folder", dump_folder])
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
+    _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+    groups_before = set(dist.distributed_c10d._world.pg_map)
+    params: list[dict[str, list[float]]] = []
+    try:
+        trainer = Trainer(cfg, parallel_dims, grad_accum_steps, torch.device("cpu"))
+        for fault in faults:
+            FAULTS[fault[0]](trainer, *fault[1:])
+        trainer.train(after_step=lambda step: params.append(param_checksums(trainer.model, parallel_dims)))
+        trainer.close()
+    finally:
+        dist.barrier()  # every rank is done with the layout's groups before any rank destroys them
+        for group in _new_groups(groups_before):
+            dist.destroy_process_group(group)
+    if rank != 0:
+        return None
+    metrics = [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines() if line]
+    return {"metrics": metrics, "params": params}
+
+
+def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[float]]:
+    """name -> [sum, sum of |x|, sum of x^2] of every parameter over the whole job, in float64.
+
+    Each rank adds the elements it holds uniquely (a shard counts once; a replica only on the rank whose
+    coordinate is 0 on every replicated mesh dimension), and one all-gather merges the partial sums by name,
+    so stages or expert groups that hold different parameters merge too.
+    """
+    mine: dict[str, list[float]] = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            coordinate = p.device_mesh.get_coordinate()
+            owner = all(c == 0 for c, pl in zip(coordinate, p.placements, strict=True) if isinstance(pl, Replicate))
+            local = p.to_local()
+        else:  # a plain replica (one process, DDP): counted once, on the first rank of every other dimension
+            owner = all(parallel_dims.world_mesh[d].get_local_rank() == 0 for d in ("dp_replicate", "dp_shard", "cp",
+                                                                                    "tp"))
+            local = p
+        if owner:
+            x = local.detach().to(torch.float64)
+            mine[name] = [x.sum().item(), x.abs().sum().item(), x.square().sum().item()]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged: dict[str, list[float]] = {}
+    for part in gathered:
+        for name, sums in part.items():
+            merged[name] = [a + b for a, b in zip(merged.get(name, [0.0, 0.0, 0.0]), sums, strict=True)]
+    return merged
+
+
+def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE) -> list[str]:
+    """Every discrepancy beyond tolerance, worst first per kind; empty when the run matches the reference."""
+    problems: list[tuple[float, str]] = []
+    ref_metrics, got_metrics = reference["metrics"], run["metrics"]
+    if [m["step"] for m in got_metrics] != [m["step"] for m in ref_metrics]:
+        return [f"logged steps {[m['step'] for m in got_metrics]} != reference {[m['step'] for m in ref_metrics]}"]
+    for got, ref in zip(got_metrics, ref_metrics, strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in ref or key in got:
+                if key not in got or key not in ref:
+                    problems.append((math.inf, f"step {ref['step']}: {key} logged by only one of the runs"))
+                    continue
+                rel = abs(got[key] - ref[key]) / max(abs(ref[key]), 1e-12)
+                if not rel <= tolerance[key]:
+                    problems.append((rel, f"step {ref['step']}: {key} {got[key]!r} vs {ref[key]!r} (rel {rel:.2e})"))
+    if len(run["params"]) != len(reference["params"]):
+        problems.append((math.inf, f"{len(run['params'])} parameter checksums vs {len(reference['params'])}"))
+    for step, (got, ref) in enumerate(zip(run["params"], reference["params"], strict=False), start=1):
+        if set(got) != set(ref):
+            problems.append((math.inf, f"step {step}: parameter names differ: {sorted(set(got) ^ set(ref))}"))
+            continue
+        for name in ref:
+            (s, a, q), (rs, ra, rq) = got[name], ref[name]
+            # the plain sum can cancel to ~0: measure its error against the sum of magnitudes instead
+            rel = max(abs(s - rs) / max(ra, 1e-30), abs(a - ra) / max(ra, 1e-30), abs(q - rq) / max(rq, 1e-30))
+            if not rel <= tolerance["param"]:
+                problems.append((rel, f"step {step}: parameter {name} checksum off by {rel:.2e} relative"))
+    problems.sort(key=lambda p: -p[0])
+    return [text for _, text in problems]
+
+
+def max_relative_differences(run: dict, reference: dict) -> dict[str, float]:
+    """The largest relative difference of each kind: the noise floor when both runs are mathematically equal."""
+    worst = dict.fromkeys(TOLERANCE, 0.0)
+    for got, ref in zip(run["metrics"], reference["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in ref:
+                worst[key] = max(worst[key], abs(got[key] - ref[key]) / abs(ref[key]))
+    for got, ref in zip(run["params"], reference["params"], strict=True):
+        for name in ref:
+            (s, a, q), (rs, ra, rq) = got[name], ref[name]
+            worst["param"] = max(worst["param"], abs(s - rs) / ra, abs(a - ra) / ra, abs(q - rq) / rq)
+    return worst
+
+
+# ---- faults and mutations the tests inject into a built Trainer (never into production code) -------------------
+
+def _nan_gradient(trainer, module_fqn: str, step: int, rank: int) -> None:
+    """From `module_fqn`'s output back, the backward pass of step `step` on `rank` carries NaN."""
+    from torchtitan.distributed.utils import env_world
+
+    class _NanBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.full_like(grad, float("nan"))
+
+    def hook(module, inputs, output):
+        if env_world()[0] == rank and trainer.train_state.step == step - 1 and module.training:
+            return _NanBackward.apply(output)
+        return output
+
+    trainer.model.get_submodule(module_fqn).register_forward_hook(hook)
+
+
+def _average_gradients(trainer) -> None:
+    """The bug the parity suite must catch: data parallelism averaging gradients on top of the global-token
+    normalisation (every gradient divided by the data-parallel degree)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    dp = trainer.parallel_dims.dp_degree
+    fsdp_modules = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    for module in fsdp_modules:
+        module.set_gradient_divide_factor(float(trainer.parallel_dims.fsdp_degree * trainer.parallel_dims.dp_replicate))
+    if not fsdp_modules:  # DDP: swap our SUM hook for an averaging one before the first forward registers it
+        from torch.distributed._composable.replicate import replicate
+
+        state = replicate.state(trainer.model)
+        (hook_state, _), kwargs = state._comm_hook_args[0]
+
+        def average_hook(hook_state, bucket):
+            fut = dist.all_reduce(bucket.buffer().div_(dp), group=hook_state[0], async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0])
+
+        state._comm_hook_args[0] = ((hook_state, average_hook), kwargs)
+
+
+FAULTS = {"nan_gradient": _nan_gradient, "average_gradients": _average_gradients}

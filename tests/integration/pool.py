@@ -1,0 +1,166 @@
+"""A persistent group of forked gloo ranks that runs one test layout after another.
+
+Starting ranks costs seconds (torchrun: 6 s for 2 ranks, 20 s for 8 on 2 cores); a layout of the parity suite
+trains for about as long. So each world size gets one pool per test session: its ranks are forked once from
+the clean fork server (tests/forking.py), create the default process group once, through the trainer's own
+`init_distributed`, and then run layouts on request. Each layout builds its own DeviceMesh (and subgroups) on
+that default group and destroys its subgroups when it is done, so layouts do not see each other.
+
+A failure anywhere (an exception on one rank, a timeout) kills the whole pool: the other ranks may be blocked in
+a collective that will never complete. The next request starts a fresh pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.forking import CTX, free_port
+
+
+class PoolError(AssertionError):
+    """A rank failed or the pool timed out; the message holds the traceback and every rank's log tail."""
+
+
+def _serve(rank: int, world: int, port: int, conn, env: dict[str, str], log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        import torch
+
+        from torchtitan.distributed.utils import init_distributed
+        from torchtitan.tools.logging import init_logger
+
+        torch.set_num_threads(1)
+        init_logger()
+        init_distributed(timeout_s=int(env.get("POOL_INIT_TIMEOUT", "60")),
+                         trace_buf_size=int(env.get("POOL_TRACE_BUF_SIZE", "0")))
+        conn.send(("ready", None))
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                break
+            if message is None:
+                break
+            fn, args = message
+            print(f"=== {getattr(fn, '__name__', fn)} {args!r:.300}", flush=True)
+            try:
+                conn.send(("ok", fn(*args)))
+            except BaseException:  # noqa: BLE001 - the parent decides; this rank reports and waits
+                conn.send(("error", traceback.format_exc()))
+    except BaseException:  # noqa: BLE001
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        os._exit(0)  # never run gloo's teardown (see docs/architecture.md, 'The exit path')
+
+
+class RankPool:
+    def __init__(self, world: int, log_dir: Path, env: dict[str, str] | None = None, start_timeout: float = 120.0):
+        self.world = world
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self._conns, self._procs = [], []
+        for rank in range(world):
+            parent, child = CTX.Pipe()
+            proc = CTX.Process(target=_serve, args=(rank, world, port, child, dict(env or {}),
+                                                    str(self.log_dir / f"rank{rank}.log")), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._gather(start_timeout, "starting the pool")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 180.0) -> list[Any]:
+        """fn(*args) on every rank at once (a module-level function: it is pickled by name); the results by rank."""
+        if not self.alive:
+            raise PoolError("the pool is closed")
+        for conn in self._conns:
+            conn.send((fn, args))
+        return self._gather(timeout, getattr(fn, "__name__", str(fn)))
+
+    def _gather(self, timeout: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            waiting = [c for r, c in enumerate(self._conns) if r not in results]
+            ready = multiprocessing.connection.wait(waiting, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                missing = [r for r in range(self.world) if r not in results]
+                self.close(kill=True)
+                raise PoolError(f"{what}: ranks {missing} did not answer within {timeout:.0f} s\n{self.log_tails()}")
+            for conn in ready:
+                rank = self._conns.index(conn)
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    status, payload = "error", "the rank died (see its log)"
+                if status == "error":
+                    self.close(kill=True)
+                    raise PoolError(f"{what}: rank {rank} failed:\n{payload}\n{self.log_tails()}")
+                results[rank] = payload
+        return [results[r] for r in range(self.world)]
+
+    def log_tails(self, chars: int = 3000) -> str:
+        parts = []
+        for rank in range(self.world):
+            path = self.log_dir / f"rank{rank}.log"
+            text = path.read_text(errors="replace")[-chars:] if path.exists() else ""
+            parts.append(f"--- rank {rank} log ({path}) ---\n{text}")
+        return "\n".join(parts)
+
+    def close(self, kill: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not kill:
+                    conn.send(None)
+                conn.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            if kill:
+                proc.kill()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._conns, self._procs = [], []
+
+
+class Pools:
+    """One live pool per world size for a test session, created on first use and replaced after a failure."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]):
+        self.log_dir, self.env = Path(log_dir), env
+        self._pools: dict[int, RankPool] = {}
+        self._generation = 0
+
+    def get(self, world: int) -> RankPool:
+        pool = self._pools.get(world)
+        if pool is None or not pool.alive:
+            self._generation += 1
+            pool = RankPool(world, self.log_dir / f"world{world}-{self._generation}", self.env)
+            self._pools[world] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -1,0 +1,79 @@
+"""The per-step decision taken before the optimizer update: is the loss or the gradient non-finite, and has any
+rank been asked to stop?
+
+Both answers need every rank to agree (a rank that skips an update or saves while another trains on would leave
+the model diverged or deadlock the next collective), so they travel in one small all-reduce over the world and
+one host read per step: the non-finite check costs no synchronisation beyond the preemption check's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchtitan.distributed.preemption import PreemptionFlag
+from torchtitan.tools.logging import logger
+
+NONFINITE_ACTIONS = ("stop", "skip")
+
+
+class TrainingError(RuntimeError):
+    """A failure whose message already says everything (the step, what went wrong, what to do): logged as one
+    line without a traceback."""
+
+
+class StepGuard:
+    def __init__(self, action: str, model: nn.Module, stop_signal: PreemptionFlag, device: torch.device):
+        """action: what training.on_nonfinite asks for when the loss or gradient norm is NaN or infinite."""
+        if action not in NONFINITE_ACTIONS:
+            raise ValueError(f"training.on_nonfinite: '{action}' is not one of {', '.join(NONFINITE_ACTIONS)}")
+        self.action, self.model, self.stop_signal, self.device = action, model, stop_signal, device
+        self.step = 0
+        self.stop_requested = False
+        self.skipped_steps = 0
+
+    def should_step(self, local_loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Called by the step between the gradient norm and the update (see components/step.py)."""
+        flags = torch.stack([
+            (~torch.isfinite(local_loss_sum)).to(torch.int32),
+            (~torch.isfinite(grad_norm)).to(torch.int32),
+            torch.tensor(int(self.stop_signal.received), dtype=torch.int32),
+        ]).to(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        loss_bad, grad_bad, stop = (bool(v) for v in flags.tolist())
+        self.stop_requested = stop
+        if not (loss_bad or grad_bad):
+            return True
+        what = ("the loss is not finite on some rank; " if loss_bad else "") + \
+               f"the gradient norm is {grad_norm.item()}"
+        if self.action == "skip":
+            self.skipped_steps += 1
+            logger.warning(f"step {self.step}: {what}: update skipped (training.on_nonfinite=skip; "
+                           f"{self.skipped_steps} skipped so far)")
+            return False
+        culprit = first_nonfinite_gradient(self.model, self.device)
+        where = f"; first non-finite gradient in backward order: {culprit}" if culprit else ""
+        raise TrainingError(f"step {self.step}: {what}{where}; stopping before the update "
+                            "(training.on_nonfinite=stop; 'skip' drops such updates instead)")
+
+
+def first_nonfinite_gradient(model: nn.Module, device: torch.device) -> str | None:
+    """The parameter closest to the output whose gradient holds a NaN or infinity on any rank, with the count.
+
+    Backward reaches parameters roughly in reverse registration order, so scanning from the end finds where
+    non-finite values entered the backward pass (a NaN born in forward makes every gradient non-finite). Runs
+    only after a failed check: one all-reduce of one flag per parameter.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return None
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for _, p in named]
+    flags = torch.stack([(~torch.isfinite(g)).any() for g in local]).to(torch.int32).to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad = [name for (name, _), flag in zip(named, flags.tolist(), strict=True) if flag]
+    if not bad:
+        return None
+    return f"{bad[-1]} ({len(bad)} of {len(named)} parameters have non-finite gradients)"
