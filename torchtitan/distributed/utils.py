@@ -86,7 +86,7 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
 
     For sharded (DTensor) gradients the per-rank norm is a partial value: `full_tensor()` reduces it over the
     mesh the gradients live on, so every rank gets the same global norm. Later issues add the PP-stage and
-    expert/non-expert combinations (DESIGN rule 5).
+    expert/non-expert combinations (see docs/architecture.md, 'Gradient clipping').
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
@@ -133,7 +133,8 @@ def exit_process(code: int) -> None:
     """Flush everything, leave the process group, then exit without the interpreter's shutdown.
 
     gloo's worker threads can abort the process (SIGABRT) while Python tears down modules even after all
-    work succeeded (DESIGN pitfalls): os._exit skips that teardown so the exit code tells the truth.
+    work succeeded (see docs/architecture.md, 'The exit path'): os._exit skips that teardown so the exit
+    code tells the truth.
     """
     if dist.is_available() and dist.is_initialized() and code == 0:
         try:
