@@ -1,35 +1,67 @@
-# Sourced by run_train.sh and scripts/run_tests.sh: sets PYTHON to an interpreter that can import torchtitan
-# and its dependencies (with pytest when NEED_DEV=1).
+# Sourced by run_train.sh, scripts/run_tests.sh and scripts/estimate_memory.sh: sets PYTHON to an interpreter
+# that can import torchtitan and its dependencies, plus the dev extra (pytest, ruff, ...) when NEED_DEV=1.
 #   0. $PYTHON, if set and it already works;
-#   1. ./.venv of this checkout, if it works and was installed from the current pyproject.toml;
+#   1. ./.venv of this checkout, if it works and its stamp shows it was installed from the current
+#      pyproject.toml with the extras this command needs;
 #   2. otherwise the current python3, if it already has everything (a cluster's own environment): no install;
-#   3. otherwise create (or refresh) ./.venv and install into it: the pinned torch first (TORCH_VERSION,
-#      default 2.13.0; an open range would pull the newest release and several GB of CUDA packages), then
-#      this project with its dev extra.
+#   3. otherwise create (or update) ./.venv and install into it: the pinned torch when it is missing
+#      (TORCH_VERSION, default 2.13.0; an open range would pull the newest release and several GB of CUDA
+#      packages), then this project with only the extras this command needs. Training therefore never
+#      installs test tools, and the test command adds the dev extra on top of a training install.
+# The stamp (.venv/.installed-pyproject) is a first line "# extras: <names>" followed by the pyproject.toml
+# it was installed from; once it is written, later runs of any covered command invoke no pip (offline-safe).
 # Checks run from / so the checkout itself on sys.path cannot make an uninstalled package look installed.
 _tt_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_tt_venv_py="$_tt_root/.venv/bin/python"
 _tt_check='import torchtitan, torch, tokenizers, torchdata, tiktoken'
-if [ "${NEED_DEV:-0}" = "1" ]; then _tt_check="$_tt_check, pytest"; fi
+_tt_extras=""  # space-separated names from [project.optional-dependencies]
+if [ "${NEED_DEV:-0}" = "1" ]; then _tt_extras="dev"; _tt_check="$_tt_check, pytest"; fi
 _tt_stamp="$_tt_root/.venv/.installed-pyproject"
 
 _tt_works() { (cd / && "$1" -c "$_tt_check" >/dev/null 2>&1); }
-_tt_fresh() { [ -f "$_tt_stamp" ] && cmp -s "$_tt_stamp" "$_tt_root/pyproject.toml"; }
+
+# Prints the extras the stamp records; fails when there is no stamp or it is for another pyproject.toml.
+_tt_installed_extras() {
+    local first
+    [ -f "$_tt_stamp" ] || return 1
+    if cmp -s "$_tt_stamp" "$_tt_root/pyproject.toml"; then
+        echo "dev"  # a stamp from before extras were recorded: a bare copy, and those installs always had dev
+        return 0
+    fi
+    IFS= read -r first < "$_tt_stamp" || return 1
+    case "$first" in "# extras:"*) ;; *) return 1 ;; esac
+    tail -n +2 "$_tt_stamp" | cmp -s - "$_tt_root/pyproject.toml" || return 1
+    echo "${first#"# extras:"}"
+}
+
+# True when the stamp is current and lists every extra this command needs.
+_tt_fresh() {
+    local have e
+    have="$(_tt_installed_extras)" || return 1
+    for e in $_tt_extras; do
+        case " $have " in *" $e "*) ;; *) return 1 ;; esac
+    done
+}
 
 if [ -n "${PYTHON:-}" ] && _tt_works "$PYTHON"; then
     :  # an explicitly chosen interpreter that already has everything
-elif [ -x "$_tt_root/.venv/bin/python" ] && _tt_fresh && _tt_works "$_tt_root/.venv/bin/python"; then
-    PYTHON="$_tt_root/.venv/bin/python"
-elif [ ! -x "$_tt_root/.venv/bin/python" ] && _tt_works python3; then
+elif [ -x "$_tt_venv_py" ] && _tt_fresh && _tt_works "$_tt_venv_py"; then
+    PYTHON="$_tt_venv_py"
+elif [ ! -x "$_tt_venv_py" ] && _tt_works python3; then
     PYTHON=python3
 else
     _tt_base="${PYTHON:-python3}"
-    if [ -x "$_tt_root/.venv/bin/python" ]; then
-        echo "[bootstrap] $_tt_root/.venv is missing packages or pyproject.toml changed: updating it" >&2
-    else
+    if [ ! -x "$_tt_venv_py" ]; then
         echo "[bootstrap] torchtitan is not importable: creating $_tt_root/.venv and installing into it" >&2
         "$_tt_base" -m venv "$_tt_root/.venv" || { echo "[bootstrap] could not create a venv" >&2; exit 1; }
+    elif ! _tt_installed_extras >/dev/null; then
+        echo "[bootstrap] $_tt_root/.venv is from another pyproject.toml (or unfinished): updating it" >&2
+    elif ! _tt_fresh; then
+        echo "[bootstrap] adding the extra '$_tt_extras' to $_tt_root/.venv" >&2
+    else
+        echo "[bootstrap] $_tt_root/.venv is missing packages: updating it" >&2
     fi
-    PYTHON="$_tt_root/.venv/bin/python"
+    PYTHON="$_tt_venv_py"
     # pip's output goes to a log (shown only on failure) so the first run's console stays readable.
     _tt_log="$_tt_root/.venv/bootstrap.log"
     : > "$_tt_log"
@@ -41,14 +73,22 @@ else
             exit 1
         }
     fi
-    echo "[bootstrap] installing torchtitan and its dependencies" >&2
-    "$PYTHON" -m pip install -e "$_tt_root[dev]" >> "$_tt_log" 2>&1 || {
+    _tt_target="$_tt_root"
+    if [ -n "$_tt_extras" ]; then
+        _tt_target="$_tt_root[${_tt_extras// /,}]"
+        echo "[bootstrap] installing torchtitan, its dependencies and the extra '$_tt_extras'" >&2
+    else
+        echo "[bootstrap] installing torchtitan and its dependencies" >&2
+    fi
+    "$PYTHON" -m pip install -e "$_tt_target" >> "$_tt_log" 2>&1 || {
         tail -n 30 "$_tt_log" >&2
         echo "[bootstrap] installing torchtitan failed (log: $_tt_log)" >&2
         exit 1
     }
     _tt_works "$PYTHON" || { echo "[bootstrap] torchtitan still not importable from $PYTHON" >&2; exit 1; }
-    cp "$_tt_root/pyproject.toml" "$_tt_stamp"
+    # Record only what this run installed: extras from an earlier install may be stale (e.g. after a
+    # pyproject.toml change, a training run leaves dev unrecorded and the next test command updates it).
+    { echo "# extras: $_tt_extras"; cat "$_tt_root/pyproject.toml"; } > "$_tt_stamp"
     echo "[bootstrap] done: using $PYTHON" >&2
 fi
 export PYTHON

@@ -1,7 +1,8 @@
 """Registry of integration flavors: each is a layout launched through run_train.sh on CPU (gloo).
 
 Every flavor trains the same global batch (8 sequences of 64 tokens) for the same steps in fp32, so its
-per-step loss must match the 1-process reference (DESIGN rule 6). New parallelisms add flavors here.
+per-step loss must match the 1-process reference (see docs/architecture.md, 'Every layout matches one
+process'). New parallelisms add flavors here.
 """
 
 from __future__ import annotations

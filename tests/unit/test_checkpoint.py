@@ -1,7 +1,8 @@
 """CheckpointManager: resharded resume (FSDP 2 ranks -> FSDP 2 ranks / 1 process), completion markers,
 retention, async saves, exports, failure handling, and the conversion script.
 
-Multi-rank cases fork gloo workers from this process (about 1 s each, see DESIGN); every worker ends with
+Multi-rank cases fork gloo workers from a clean fork server (tests/unit/forked.py, about 1 s each; see
+docs/architecture.md, 'CPU and gloo pitfalls'); every worker ends with
 os._exit so gloo's exit-time abort cannot turn a pass into a failure.
 """
 

@@ -131,7 +131,8 @@ def _wait_until_gone(pids: list[int], seconds: float = 15.0) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_workers_exit_with_the_trainer() -> None:
-    """The trainer ends with os._exit (DESIGN): its workers and their fork server must not outlive it."""
+    """The trainer ends with os._exit (see docs/architecture.md, 'The exit path'): its workers and their fork
+    server must not outlive it."""
     code = ("import os\nfrom multiprocessing import forkserver\n"
             "from tests.unit.test_dataloader import _loader, _source, _take\n"
             "dl = _loader(_source(), 8, 2, num_workers=2)\n_take(dl, 2)\n"

@@ -1,7 +1,7 @@
 """Cross-entropy as a *sum* over target tokens; the trainer divides by the global token count.
 
 Summing locally and dividing by the token count of the whole global batch (all micro-batches, all DP/CP
-ranks) makes the gradient independent of how the batch is split (DESIGN rule 4).
+ranks) makes the gradient independent of how the batch is split (see docs/architecture.md, 'Loss normalisation').
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ STATE_KEYS = ("sequences_consumed", "next_doc", "doc_token_offset", "epoch")
 DEFAULT_BLOCK_CHARS = 32_768
 # forkserver: workers start from a clean server process, not from the trainer, which by the time a
 # dataloader (or the validator's) first iterates has run multi-threaded OpenMP work (forking after it
-# deadlocks children, see DESIGN) and holds gloo/NCCL threads (Python >= 3.12 warns on such forks).
+# deadlocks children, see docs/architecture.md, 'CPU and gloo pitfalls') and holds gloo/NCCL threads
+# (Python >= 3.12 warns on such forks).
 # With torch preloaded into the server a worker starts in ~0.1 s; spawn costs ~3 s on every start.
 _MP_CONTEXT = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 

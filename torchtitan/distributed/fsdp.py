@@ -1,7 +1,8 @@
 """FSDP2 / HSDP (`fully_shard`) and DDP (composable `replicate`), keyed by module names.
 
 Both are set up so gradients are *summed* over data-parallel ranks, never averaged: the loss is already
-divided by the global token count (DESIGN rule 4), so any averaging here would divide twice.
+divided by the global token count (see docs/architecture.md, 'Loss normalisation'), so any averaging here
+would divide twice.
 """
 
 from __future__ import annotations

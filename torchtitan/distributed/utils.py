@@ -147,7 +147,8 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     log (and clip by) a slightly different norm. Gradients living on different meshes (expert vs dense,
     pipeline stages later) are reduced per mesh and combined as a sum of squares: DTensor cannot stack
     values of different meshes. For a DTensor group, `full_tensor()` reduces the partial norm over every
-    mesh dimension the gradients are sharded on, in one all-reduce where a flattened group exists.
+    mesh dimension the gradients are sharded on, in one all-reduce where a flattened group exists (see
+    docs/architecture.md, 'Gradient clipping').
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
@@ -215,7 +216,8 @@ def exit_process(code: int) -> None:
     """Flush everything, leave the process group, then exit without the interpreter's shutdown.
 
     gloo's worker threads can abort the process (SIGABRT) while Python tears down modules even after all
-    work succeeded (DESIGN pitfalls): os._exit skips that teardown so the exit code tells the truth.
+    work succeeded (see docs/architecture.md, 'The exit path'): os._exit skips that teardown so the exit
+    code tells the truth.
     """
     if dist.is_available() and dist.is_initialized() and code == 0:
         try:

@@ -106,7 +106,8 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
         model_args = dataclasses.replace(model_args, n_layers=n_layers)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    # Parallelize outside FakeTensorMode: inside, FSDP + TP setup fails (DESIGN pitfalls).
+    # Parallelize outside FakeTensorMode: inside, FSDP + TP setup fails (see docs/architecture.md,
+    # 'Memory estimation reuses the trainer').
     model = spec.parallelize_fn(model, parallel_dims, cfg, _param_dtype(cfg, device_type))
     loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
     _, grad_accum = resolve_batch(cfg.training, parallel_dims.dp_degree)

@@ -1,0 +1,172 @@
+"""scripts/bootstrap.sh: training installs only what it needs, the test command adds the dev extra on top, and
+a command that already ran once invokes no pip (training must work offline after its first run).
+
+The real script runs against a temporary copy of scripts/ and pyproject.toml, with a fake `python3` first on
+PATH: nothing is downloaded or installed, and the checkout's own .venv is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Stands in for python3 and, copied by `-m venv`, for .venv/bin/python. What an interpreter has "installed" is
+# a marker file per group in <its bin folder>/fake-site: torch, base (torchtitan and its dependencies), dev.
+# `-c "import a, b"` succeeds only when every module's group is marked; `-m pip install ARGS` appends ARGS
+# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+site="$(cd "$(dirname "$0")" && pwd)/fake-site"
+has() { [ -e "$site/$1" ]; }
+if [ "${1:-}" = "-c" ]; then
+    case "$2" in "import "*) ;; *) exit 1 ;; esac
+    IFS=', ' read -r -a modules <<< "${2#import }"
+    for m in "${modules[@]}"; do
+        case "$m" in
+            "") ;;
+            torch) has torch || exit 1 ;;
+            pytest) has dev || exit 1 ;;
+            *) has base || exit 1 ;;
+        esac
+    done
+    exit 0
+fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
+    mkdir -p "$3/bin" && cp "$0" "$3/bin/python"
+    exit $?
+fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
+    (IFS=$'\t'; printf '%s\n' "${*:3}") >> "$FAKE_PIP_LOG"
+    mkdir -p "$site"
+    for a in "${@:4}"; do
+        case "$a" in
+            -e) ;;
+            torch==*) touch "$site/torch" ;;
+            *"[dev]") touch "$site/base" "$site/dev" ;;
+            *) touch "$site/base" ;;
+        esac
+    done
+    exit 0
+fi
+echo "fake python: unexpected arguments: $*" >&2
+exit 2
+"""
+
+
+@dataclass
+class Sandbox:
+    root: Path
+    bin: Path
+    pip_log: Path
+
+    @property
+    def venv_python(self) -> str:
+        return str(self.root / ".venv" / "bin" / "python")
+
+    def run(self, need_dev: bool = False, python: str | None = None,
+            torch_version: str | None = None) -> tuple[str, list[list[str]]]:
+        """Source bootstrap.sh as run_train.sh (or, need_dev, scripts/run_tests.sh) does.
+
+        Returns the PYTHON it chose and the argument lists of its pip calls."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NEED_DEV", "TORCH_VERSION")}
+        env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
+        env["FAKE_PIP_LOG"] = str(self.pip_log)
+        if python is not None:
+            env["PYTHON"] = python
+        if torch_version is not None:
+            env["TORCH_VERSION"] = torch_version
+        source = ("NEED_DEV=1 " if need_dev else "") + "source scripts/bootstrap.sh"
+        self.pip_log.write_text("")
+        proc = subprocess.run(["bash", "-c", f'set -euo pipefail; {source}; printf "%s" "$PYTHON"'],
+                              cwd=self.root, env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert all(line.startswith("[bootstrap]") for line in proc.stderr.splitlines()), proc.stderr
+        return proc.stdout, [line.split("\t") for line in self.pip_log.read_text().splitlines()]
+
+
+def _make_fake_python(folder: Path, name: str, installed: tuple[str, ...] = ()) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    exe = folder / name
+    exe.write_text(FAKE_PYTHON)
+    exe.chmod(0o755)
+    for group in installed:
+        (folder / "fake-site").mkdir(exist_ok=True)
+        (folder / "fake-site" / group).touch()
+    return exe
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    tmp_path = tmp_path.resolve()  # bootstrap.sh reports the root as `pwd` prints it
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    _make_fake_python(tmp_path / "bin", "python3")  # a bare python3: nothing importable
+    return Sandbox(root, tmp_path / "bin", tmp_path / "pip.log")
+
+
+def _install(package: str) -> list[str]:
+    return ["install", package]
+
+
+def _editable(target: str) -> list[str]:
+    return ["install", "-e", target]
+
+
+def test_training_installs_torch_and_the_project_without_extras(sandbox: Sandbox) -> None:
+    python, calls = sandbox.run()
+    assert python == sandbox.venv_python
+    assert calls == [_install("torch==2.13.0"), _editable(str(sandbox.root))]
+    # a second training run must not need the network
+    assert sandbox.run() == (sandbox.venv_python, [])
+
+
+def test_the_test_command_adds_dev_on_top_of_a_training_install(sandbox: Sandbox) -> None:
+    sandbox.run()
+    python, calls = sandbox.run(need_dev=True)
+    assert python == sandbox.venv_python
+    assert calls == [_editable(f"{sandbox.root}[dev]")]  # torch is already there: not reinstalled
+    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
+    assert sandbox.run() == (sandbox.venv_python, [])
+
+
+def test_training_after_the_test_command_installs_nothing(sandbox: Sandbox) -> None:
+    python, calls = sandbox.run(need_dev=True)
+    assert calls == [_install("torch==2.13.0"), _editable(f"{sandbox.root}[dev]")]
+    assert sandbox.run() == (sandbox.venv_python, [])
+    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
+
+
+def test_a_changed_pyproject_updates_only_what_the_command_needs(sandbox: Sandbox) -> None:
+    sandbox.run(need_dev=True)
+    with open(sandbox.root / "pyproject.toml", "a") as f:
+        f.write("\n# a dependency changed\n")
+    assert sandbox.run() == (sandbox.venv_python, [_editable(str(sandbox.root))])
+    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [_editable(f"{sandbox.root}[dev]")])
+    assert sandbox.run() == (sandbox.venv_python, [])
+
+
+def test_a_stamp_written_before_extras_were_recorded_counts_as_dev(sandbox: Sandbox) -> None:
+    sandbox.run(need_dev=True)
+    # the earlier bootstrap stamped a bare copy of pyproject.toml, and it always installed the dev extra
+    shutil.copy(sandbox.root / "pyproject.toml", sandbox.root / ".venv" / ".installed-pyproject")
+    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
+    assert sandbox.run() == (sandbox.venv_python, [])
+
+
+def test_torch_version_chooses_the_pin(sandbox: Sandbox) -> None:
+    assert sandbox.run(torch_version="2.12.1")[1][0] == _install("torch==2.12.1")
+
+
+def test_an_interpreter_that_has_everything_is_used_without_installing(sandbox: Sandbox, tmp_path: Path) -> None:
+    cluster = _make_fake_python(tmp_path / "cluster", "python", installed=("torch", "base", "dev"))
+    assert sandbox.run(need_dev=True, python=str(cluster)) == (str(cluster), [])
+    _make_fake_python(sandbox.bin, "python3", installed=("torch", "base"))
+    assert sandbox.run() == ("python3", [])
+    assert not (sandbox.root / ".venv").exists()
