@@ -97,6 +97,8 @@ class Training:
     """Dtype of parameters during forward/backward under FSDP: bfloat16 | float32 (CPU always float32)"""
     mixed_precision_reduce: str = "float32"
     """Dtype of the gradient reduce-scatter / all-reduce: float32 | bfloat16"""
+    tf32: bool = True
+    """Use TF32 tensor cores for fp32 matmuls/convs on NVIDIA GPUs (false = full fp32); MFU uses the matching peak"""
     gc_freq: int = 50
     """Run Python's garbage collector every gc_freq steps (automatic collection is disabled during training)"""
     seed: int | None = None
