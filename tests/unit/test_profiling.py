@@ -58,7 +58,7 @@ def test_traces_exactly_the_multiples_of_profile_freq(tmp_path: Path) -> None:
 def test_resumed_run_and_last_step_traced(tmp_path: Path) -> None:
     # Resumed at step 5, stops after step 9: steps 6 and 9 are traced, 9 because step() runs after the last step.
     cfg = Profiling(enable_profiling=True, profile_freq=3)
-    prof = maybe_profile(cfg, tmp_path, rank=0, device_type="cpu", first_step=5)
+    prof = maybe_profile(cfg, tmp_path, rank=0, device_type="cpu", first_step=5, last_step=9)
     with prof:
         for _ in range(5, 10):
             torch.randn(32, 32) @ torch.randn(32, 32)
@@ -75,17 +75,17 @@ def test_failed_step_is_not_saved(tmp_path: Path) -> None:
     assert not torch.autograd.profiler._is_profiler_enabled
 
 
-@pytest.mark.parametrize(("freq", "expected"), [
-    (1, "RRRRRR"),
-    (2, "WRWRWR"),
-    (3, "WWRWWR"),
-    (5, "NWWRNN"),  # from step 2: 5 is traced, 10 is outside the range
+@pytest.mark.parametrize(("first", "freq", "last", "expected"), [
+    (1, 1, None, "RRRRRR"),
+    (1, 2, None, "WRWRWR"),
+    (1, 3, None, "WWRWWR"),
+    (2, 5, None, "NWWRNN"),  # steps 2-7: 5 is traced, 10 is outside the range
+    (1, 3, 4, "WWRNNN"),  # no warmup for step 6 after the last step (4)
 ])
-def test_schedule(freq: int, expected: str) -> None:
+def test_schedule(first: int, freq: int, last: int | None, expected: str) -> None:
     letter = {torch.profiler.ProfilerAction.NONE: "N", torch.profiler.ProfilerAction.WARMUP: "W",
               torch.profiler.ProfilerAction.RECORD_AND_SAVE: "R"}
-    first = 2 if freq == 5 else 1
-    schedule = trace_schedule(first, freq)
+    schedule = trace_schedule(first, freq, last_step=last)
     assert "".join(letter[schedule(i)] for i in range(6)) == expected
 
 

@@ -2,7 +2,7 @@
 
 The trainer wraps its loop and calls `step()` once after each training step:
 
-    with maybe_profile(cfg.profiling, dump_folder, rank, device_type, first_step) as prof:
+    with maybe_profile(cfg.profiling, dump_folder, rank, device_type, first_step, last_step) as prof:
         for step in range(first_step, last_step + 1):
             ...train step...
             prof.step()
@@ -46,17 +46,21 @@ def check_profiling_device(cfg: Profiling, device_type: str) -> None:
                           f"allocator's history); this machine runs on {device_type}")
 
 
-def trace_schedule(first_step: int, freq: int, warmup: int = WARMUP_STEPS) -> Callable[[int], ProfilerAction]:
+def trace_schedule(first_step: int, freq: int, warmup: int = WARMUP_STEPS,
+                   last_step: int | None = None) -> Callable[[int], ProfilerAction]:
     """torch.profiler schedule: record exactly the training steps that are multiples of `freq`.
 
     The profiler numbers its steps from 0 at entry, and the trainer enters it right before `first_step`.
-    Warmup is capped at freq - 1 so it never overlaps the previous traced step.
+    Warmup is capped at freq - 1 so it never overlaps the previous traced step. With `last_step` given, there is
+    no warmup for a traced step past it, so the profiler does not start up for a step that never runs.
     """
     warmup = max(0, min(warmup, freq - 1))
 
     def action(profiler_step: int) -> ProfilerAction:
         step = first_step + profiler_step
         to_next = -step % freq  # steps until the next multiple of freq (0: this one)
+        if last_step is not None and step + to_next > last_step:
+            return ProfilerAction.NONE
         if to_next == 0:
             return ProfilerAction.RECORD_AND_SAVE
         return ProfilerAction.WARMUP if to_next <= warmup else ProfilerAction.NONE
@@ -93,7 +97,8 @@ class NullProfiler:
 class StepProfiler:
     """Traces and/or memory snapshots every `cfg.profile_freq` steps; use through maybe_profile()."""
 
-    def __init__(self, cfg: Profiling, dump_folder: str | Path, rank: int, device_type: str, first_step: int):
+    def __init__(self, cfg: Profiling, dump_folder: str | Path, rank: int, device_type: str, first_step: int,
+                 last_step: int | None = None):
         self.freq, self.rank, self.device_type = cfg.profile_freq, rank, device_type
         self.trace_root = Path(dump_folder) / cfg.save_traces_folder
         self.snapshot_root = Path(dump_folder) / MEMORY_SNAPSHOT_FOLDER
@@ -110,7 +115,7 @@ class StepProfiler:
             if device_type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(
-                activities=activities, schedule=trace_schedule(first_step, self.freq),
+                activities=activities, schedule=trace_schedule(first_step, self.freq, last_step=last_step),
                 on_trace_ready=self._write_trace, record_shapes=True,
             )
 
@@ -182,9 +187,9 @@ class StepProfiler:
         return path
 
 
-def maybe_profile(cfg: Profiling, dump_folder: str | Path, rank: int, device_type: str,
-                  first_step: int) -> StepProfiler | NullProfiler:
-    """The profiler context for a training loop starting at `first_step`; a NullProfiler when both are off."""
+def maybe_profile(cfg: Profiling, dump_folder: str | Path, rank: int, device_type: str, first_step: int,
+                  last_step: int | None = None) -> StepProfiler | NullProfiler:
+    """The profiler context for a loop over steps first_step..last_step; a NullProfiler when both are off."""
     if not (cfg.enable_profiling or cfg.enable_memory_snapshot):
         return NullProfiler()
-    return StepProfiler(cfg, dump_folder, rank, device_type, first_step)
+    return StepProfiler(cfg, dump_folder, rank, device_type, first_step, last_step)
