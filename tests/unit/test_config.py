@@ -514,6 +514,11 @@ INVALID_VALUES = [
     (["--metrics.log_freq", "0"], "metrics.log_freq"),
     (["--comm.init_timeout_seconds", "0"], "comm.init_timeout_seconds"),
     (["--comm.train_timeout_seconds", "-1"], "comm.train_timeout_seconds"),
+    # profiling (the CUDA-only memory snapshot check needs the device: tests/unit/test_profiling.py)
+    (["--profiling.profile_freq", "0"], "profiling.profile_freq"),
+    (["--profiling.save_traces_folder", ""], "profiling.save_traces_folder"),
+    (["--profiling.save_traces_folder", "/tmp/traces"], "profiling.save_traces_folder"),
+    (["--profiling.save_traces_folder", "../traces"], "profiling.save_traces_folder"),
 ]
 
 NOT_AVAILABLE = [
@@ -524,8 +529,6 @@ NOT_AVAILABLE = [
     (["--model.converters", "float8"], "model.converters"),
     (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
-    (["--profiling.enable_profiling"], "profiling.enable_profiling"),
-    (["--profiling.enable_memory_snapshot"], "profiling.enable_memory_snapshot"),
     (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode"),
 ]
 

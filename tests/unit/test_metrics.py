@@ -49,19 +49,74 @@ def test_peak_flops_bf16_known_devices(name: str, expected: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "expected"),
+    ("name", "tf32", "fp32"),
     [
-        ("NVIDIA H100 80GB HBM3", 494.7e12),
-        ("NVIDIA H100 PCIe", 378.0e12),
-        ("NVIDIA A100-SXM4-80GB", 156e12),
-        ("NVIDIA B200", 1.1e15),
-        ("AMD Instinct MI300X", 163.4e12),
+        ("NVIDIA H100 80GB HBM3", 494.7e12, 67e12),
+        ("NVIDIA H100 PCIe", 378.0e12, 51e12),
+        ("NVIDIA H100 NVL", 417.5e12, 60e12),
+        ("NVIDIA H200", 494.7e12, 67e12),
+        ("NVIDIA GH200 480GB", 494.7e12, 67e12),
+        ("NVIDIA A100-SXM4-80GB", 156e12, 19.5e12),
+        ("NVIDIA L40S", 183e12, 91.6e12),
+        ("NVIDIA L4", 60e12, 30.3e12),
+        ("NVIDIA B200", 1.1e15, None),  # no checked plain-FP32 figure: no MFU rather than a guess
+        ("AMD Instinct MI300X", None, 163.4e12),  # ROCm: TF32 is never switched on, fp32 = FP32 matrix
+        ("AMD Instinct MI250X", None, 47.85e12),
     ],
 )
-def test_peak_flops_fp32_is_tf32_or_matrix_fp32(name: str, expected: float) -> None:
-    fp32 = peak_flops(name, torch.float32)
-    assert fp32 == pytest.approx(expected)
-    assert fp32 < peak_flops(name, torch.bfloat16)
+def test_peak_flops_fp32_follows_tf32(name: str, tf32: float | None, fp32: float | None) -> None:
+    assert peak_flops(name, torch.float32, tf32=True) == (None if tf32 is None else pytest.approx(tf32))
+    assert peak_flops(name, torch.float32, tf32=False) == (None if fp32 is None else pytest.approx(fp32))
+    # bf16 params run on the half-precision tensor cores whatever the TF32 setting.
+    half = peak_flops(name, torch.bfloat16)
+    assert peak_flops(name, torch.bfloat16, tf32=False) == half
+    for value in (tf32, fp32):
+        assert value is None or value < half
+
+
+def test_every_table_entry_orders_its_peaks() -> None:
+    for key, peak in device._PEAKS.items():
+        # L40: its TF32 tensor-core and CUDA-core FP32 peaks are both 90.5 TFLOPS dense.
+        assert peak.tf32 is None or peak.fp32 is None or peak.fp32 <= peak.tf32 < peak.half, key
+
+
+def test_mfu_peak_flops_picks_the_precision_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert device.mfu_peak_flops("cuda", "bfloat16", tf32=True) == pytest.approx(989.4e12)
+    assert device.mfu_peak_flops("cuda", "bfloat16", tf32=False) == pytest.approx(989.4e12)
+    assert device.mfu_peak_flops("cuda", "float32", tf32=True) == pytest.approx(494.7e12)
+    assert device.mfu_peak_flops("cuda", "float32", tf32=False) == pytest.approx(67e12)
+    assert device.mfu_peak_flops("cpu", "float32", tf32=False) is None
+
+
+def _precision_flags() -> tuple:
+    b = torch.backends
+    return (torch.get_float32_matmul_precision(), b.cuda.matmul.allow_tf32, b.cuda.matmul.fp32_precision,
+            b.cudnn.allow_tf32)
+
+
+def test_set_tf32_is_a_no_op_on_cpu() -> None:
+    before = _precision_flags() + (torch.backends.mkldnn.matmul.fp32_precision,)
+    for enabled in (True, False):
+        assert device.set_tf32(enabled, "cpu") is False
+    assert _precision_flags() + (torch.backends.mkldnn.matmul.fp32_precision,) == before
+
+
+def test_set_tf32_cuda_flags() -> None:
+    # The CUDA branch only sets process-wide torch.backends flags, which CPU builds have too.
+    if torch.version.hip is not None:
+        pytest.skip("ROCm leaves the flags alone")
+    saved_precision, saved_cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        assert device.set_tf32(True, "cuda") is True
+        # Every getter stays readable (no "mix of legacy and new APIs" error) and agrees; inductor reads these.
+        assert _precision_flags() == ("high", True, "tf32", True)
+        assert device.set_tf32(False, "cuda") is False
+        assert _precision_flags() == ("highest", False, "ieee", False)
+    finally:
+        torch.set_float32_matmul_precision(saved_precision)
+        torch.backends.cudnn.allow_tf32 = saved_cudnn
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (saved_precision, saved_cudnn)
 
 
 @pytest.mark.parametrize(
@@ -77,6 +132,7 @@ def test_peak_flops_fp32_is_tf32_or_matrix_fp32(name: str, expected: float) -> N
 def test_peak_flops_unknown_is_none(name: str) -> None:
     assert peak_flops(name, torch.bfloat16) is None
     assert peak_flops(name, torch.float32) is None
+    assert peak_flops(name, torch.float32, tf32=False) is None
 
 
 def test_peak_flops_unsupported_dtype_is_none() -> None:

@@ -99,6 +99,8 @@ class Training:
     """Dtype of parameters during forward/backward under FSDP: bfloat16 | float32 (CPU always float32)"""
     mixed_precision_reduce: str = "float32"
     """Dtype of the gradient reduce-scatter / all-reduce: float32 | bfloat16"""
+    tf32: bool = True
+    """Use TF32 tensor cores for fp32 matmuls/convs on NVIDIA GPUs (false = full fp32); MFU uses the matching peak"""
     gc_freq: int = 50
     """Run Python's garbage collector every gc_freq steps (automatic collection is disabled during training)"""
     seed: int | None = None
@@ -254,13 +256,13 @@ class Validation:
 @dataclass
 class Profiling:
     enable_profiling: bool = False
-    """Record torch.profiler traces (not available yet)"""
+    """Save a torch.profiler Chrome trace of every profile_freq-th step, one file per rank (docs/performance.md)"""
     save_traces_folder: str = "profile_traces"
-    """Trace folder inside job.dump_folder"""
+    """Trace folder inside job.dump_folder: <folder>/iteration_<step>/rank<r>_trace.json"""
     profile_freq: int = 10
-    """Profile every this many steps"""
+    """Trace (and snapshot) the steps that are multiples of this; each trace follows up to 2 warmup steps"""
     enable_memory_snapshot: bool = False
-    """Record CUDA memory snapshots"""
+    """CUDA: record allocator history; snapshot to <dump_folder>/memory_snapshot every profile_freq steps and on OOM"""
 
 
 @dataclass

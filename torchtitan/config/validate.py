@@ -6,6 +6,8 @@ the process group is created.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torchtitan.config.job_config import JobConfig
 
 
@@ -37,6 +39,7 @@ def check_values(cfg: JobConfig) -> None:
     _check_parallelism(cfg)
     _check_unavailable(cfg)
     _check_checkpoint(cfg)
+    _check_profiling(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
@@ -177,10 +180,6 @@ def _check_unavailable(cfg: JobConfig) -> None:
     unknown = set(cfg.compile.components) - {"model", "loss"}
     if unknown:
         _err(f"compile.components: unknown entries {sorted(unknown)}; known: model, loss")
-    if cfg.profiling.enable_profiling:
-        _not_yet("profiling.enable_profiling", "profiling")
-    if cfg.profiling.enable_memory_snapshot:
-        _not_yet("profiling.enable_memory_snapshot", "memory snapshots")
     if cfg.memory_estimation.disable_fake_mode:
         _not_yet("memory_estimation.disable_fake_mode", "estimating with real tensors")
 
@@ -203,3 +202,13 @@ def _check_checkpoint(cfg: JobConfig) -> None:
         _err("checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
     if c.create_seed_checkpoint and not c.enable:
         _err("checkpoint.create_seed_checkpoint: needs checkpoint.enable = true (the seed goes into checkpoint.folder)")
+
+
+def _check_profiling(cfg: JobConfig) -> None:
+    # The device check (memory snapshots need CUDA) is in tools/profiling.py: it needs the device type.
+    p = cfg.profiling
+    _positive("profiling.profile_freq", p.profile_freq)
+    folder = p.save_traces_folder
+    # Traces stay inside job.dump_folder, with the rest of the run's outputs.
+    if not folder.strip() or Path(folder).is_absolute() or ".." in Path(folder).parts:
+        _err(f"profiling.save_traces_folder: '{folder}' must be a non-empty relative path inside job.dump_folder")

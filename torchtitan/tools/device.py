@@ -1,4 +1,4 @@
-"""Device helpers: which accelerator we run on, its peak FLOPS, and its memory use.
+"""Device helpers: which accelerator we run on, its fp32 matmul precision (TF32), its peak FLOPS, its memory use.
 
 The peak-FLOPS table feeds the MFU metric. A wrong peak silently produces a wrong
 MFU, which is worse than none, so unknown or ambiguous devices yield ``None`` and
@@ -62,40 +62,49 @@ def device_name() -> str:
 
 @dataclass(frozen=True)
 class _Peak:
-    # Dense (no 2:4 sparsity) matmul peaks in FLOP/s, as vendor datasheets give them.
+    # Dense (no 2:4 sparsity) peaks in FLOP/s, as vendor datasheets give them. None = no trustworthy figure
+    # (or no such path), so MFU is not reported for that precision.
     half: float  # bf16 / fp16 tensor/matrix cores
-    fp32: float  # fp32 inputs: TF32 tensor cores on NVIDIA, fp32 matrix cores on AMD
+    tf32: float | None  # fp32 matmuls with training.tf32 on: TF32 tensor cores (NVIDIA)
+    fp32: float | None  # fp32 matmuls at full precision: CUDA cores on NVIDIA, FP32 matrix cores on AMD
 
 
-# Datasheets quote sparse numbers for NVIDIA parts; the dense value is half of that.
+# Datasheets quote sparse tensor-core numbers for NVIDIA parts; the dense value is half of that. The plain
+# FP32 column is the datasheet's "FP32" (CUDA-core) line, which has no sparse variant.
 # MI250X: ROCm exposes each of the two dies (GCDs) of a module as its own device, and
 # MFU is computed per device, so the per-GCD half of the 383 / 95.7 TFLOPS module peak
 # is used. Deliberately absent for lack of a trustworthy number: A10G (AWS-specific
 # variant whose tensor peak NVIDIA does not publish), plain "H100" with no form factor.
 _PEAKS: dict[str, _Peak] = {
-    "H100 SXM": _Peak(989.4e12, 494.7e12),
-    "H100 PCIe": _Peak(756.5e12, 378.0e12),
+    # H100 datasheet: FP32 67 (SXM) / 51 (PCIe) TFLOPS.
+    "H100 SXM": _Peak(989.4e12, 494.7e12, 67e12),
+    "H100 PCIe": _Peak(756.5e12, 378.0e12, 51e12),
     # NVL (PCIe card, NVLink bridge): datasheet 1,671 bf16 / 835 tf32 TFLOPS with
-    # sparsity. Less certain than the SXM/PCIe values: not cross-checked with a
+    # sparsity, FP32 60 TFLOPS. Less certain than the SXM/PCIe values: not cross-checked with a
     # second source here; same figures assumed for the H200 NVL.
-    "H100 NVL": _Peak(835.5e12, 417.5e12),
+    "H100 NVL": _Peak(835.5e12, 417.5e12, 60e12),
     # H200 and GH200 use the same GH100 compute as the H100 SXM; only memory differs.
-    "H200": _Peak(989.4e12, 494.7e12),
-    "H200 NVL": _Peak(835.5e12, 417.5e12),
-    "GH200": _Peak(989.4e12, 494.7e12),
-    "A100": _Peak(312e12, 156e12),
-    "L40S": _Peak(362.05e12, 183e12),
-    "L40": _Peak(181.05e12, 90.5e12),
-    "L4": _Peak(121e12, 60e12),
+    # H200 and GH200 datasheets: FP32 67 TFLOPS (H200 NVL: 60).
+    "H200": _Peak(989.4e12, 494.7e12, 67e12),
+    "H200 NVL": _Peak(835.5e12, 417.5e12, 60e12),
+    "GH200": _Peak(989.4e12, 494.7e12, 67e12),
+    # A100 datasheet: FP32 19.5 TFLOPS (same for the 40 and 80 GB, SXM and PCIe parts).
+    "A100": _Peak(312e12, 156e12, 19.5e12),
+    # L40S / L40 / L4 datasheets: FP32 91.6 / 90.5 / 30.3 TFLOPS (the L40's dense TF32 is also 90.5).
+    "L40S": _Peak(362.05e12, 183e12, 91.6e12),
+    "L40": _Peak(181.05e12, 90.5e12, 90.5e12),
+    "L4": _Peak(121e12, 60e12, 30.3e12),
     # HGX B200 (1000 W): 4.5 PF bf16 / 2.2 PF tf32 with sparsity; the datasheet's
     # tf32 is slightly under half of bf16, and the datasheet is what we follow.
-    "B200": _Peak(2.25e15, 1.1e15),
-    # GB200 GPU (up to 1200 W): 5 PF bf16 / 2.5 PF tf32 sparse.
-    "GB200": _Peak(2.5e15, 1.25e15),
-    # CDNA3 has no sparsity in these figures; fp32 is the "FP32 matrix" peak.
-    "MI300X": _Peak(1307.4e12, 163.4e12),
-    "MI325X": _Peak(1307.4e12, 163.4e12),
-    "MI250X": _Peak(191.5e12, 47.85e12),
+    # Plain FP32 left out: no per-GPU figure checked against a datasheet here.
+    "B200": _Peak(2.25e15, 1.1e15, None),
+    # GB200 GPU (up to 1200 W): 5 PF bf16 / 2.5 PF tf32 sparse; plain FP32 left out as for B200.
+    "GB200": _Peak(2.5e15, 1.25e15, None),
+    # CDNA3 has no sparsity in these figures; fp32 is the "FP32 matrix" peak. No TF32 figure:
+    # training.tf32 leaves ROCm at full fp32 (set_tf32), so fp32 runs there use the fp32 column.
+    "MI300X": _Peak(1307.4e12, None, 163.4e12),
+    "MI325X": _Peak(1307.4e12, None, 163.4e12),
+    "MI250X": _Peak(191.5e12, None, 47.85e12),
 }
 
 
@@ -136,12 +145,12 @@ def _table_key(name: str) -> str | None:
     return None
 
 
-def peak_flops(name: str, dtype: torch.dtype) -> float | None:
+def peak_flops(name: str, dtype: torch.dtype, *, tf32: bool = True) -> float | None:
     """Dense peak matmul FLOP/s of one device for ``dtype``, or None when unknown.
 
-    bf16/fp16 give the tensor-core peak; fp32 gives the TF32 (NVIDIA) or fp32-matrix
-    (AMD) peak, which is what fp32 matmuls reach with TF32 enabled. Anything else,
-    an unlisted device, or a CPU gives None so MFU is not reported rather than guessed.
+    bf16/fp16 give the tensor-core peak. fp32 gives the TF32 tensor-core peak when ``tf32`` (TF32 is on, see
+    set_tf32), else the full-precision fp32 peak. Anything else, an unlisted device, a precision without a
+    trustworthy figure, or a CPU gives None so MFU is not reported rather than guessed.
     """
     key = _table_key(name)
     if key is None:
@@ -150,8 +159,41 @@ def peak_flops(name: str, dtype: torch.dtype) -> float | None:
     if dtype in (torch.bfloat16, torch.float16):
         return peak.half
     if dtype == torch.float32:
-        return peak.fp32
+        return peak.tf32 if tf32 else peak.fp32
     return None
+
+
+def mfu_peak_flops(device_type: str, param_dtype: str, *, tf32: bool) -> float | None:
+    """The peak MFU is computed against for this run: the precision its matmuls actually use, on this device.
+
+    ``param_dtype`` is training_param_dtype()'s answer ("bfloat16" | "float32"); ``tf32`` is what set_tf32()
+    returned. None on CPU and on devices or precisions without a datasheet figure.
+    """
+    if device_type != "cuda":
+        return None
+    dtype = torch.float32 if param_dtype == "float32" else torch.bfloat16
+    return peak_flops(device_name(), dtype, tf32=tf32)
+
+
+# --------------------------------------------------------------------------- TF32
+
+
+def set_tf32(enabled: bool, device_type: str) -> bool:
+    """Apply training.tf32 once at setup; return whether fp32 matmuls now use TF32 (the MFU peak depends on it).
+
+    NVIDIA GPUs only. CPU (where "high" matmul precision would switch oneDNN's fp32 matmuls too) and ROCm are
+    left at torch's defaults, which are full fp32 precision for matmuls, and False is returned.
+    """
+    if device_type != "cuda" or torch.version.hip is not None:
+        return False
+    # Both settings exist unchanged in torch 2.11 and 2.13 and neither warns there. torch's newer per-backend
+    # `fp32_precision` attributes are avoided on purpose: measured on torch 2.13 (2.11 ships the same checks),
+    # setting e.g. torch.backends.cuda.matmul.fp32_precision alone makes getters that inductor still calls
+    # (torch.get_float32_matmul_precision, torch.backends.cudnn.allow_tf32) raise a "mix of the legacy and new
+    # APIs" RuntimeError, while these two setters keep every getter readable and consistent.
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
 
 
 # --------------------------------------------------------------------------- memory
