@@ -34,6 +34,7 @@ from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.profiling import check_profiling_device, maybe_profile
 
 COMM_TRACES = "comm_traces"
 """Folder inside job.dump_folder where flight-recorder dumps go after a failed or timed-out collective"""
@@ -50,6 +51,7 @@ class Trainer:
         self.loss_mesh = parallel_dims.mesh("dp_cp")
         seed = 0 if cfg.debug.seed is None else cfg.debug.seed
         dist_utils.set_determinism(seed, cfg.debug.deterministic)
+        self.tf32 = device_tools.set_tf32(cfg.training.tf32, self.device.type)
         self.dump_folder = Path(cfg.job.dump_folder)
         self._save_config()
 
@@ -115,9 +117,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.memory = device_tools.MemoryMonitor(self.device.type)
-        dtype = torch.float32 if param_dtype == "float32" else torch.bfloat16
-        self.peak_flops = device_tools.peak_flops(device_tools.device_name(), dtype) \
-            if self.device.type == "cuda" else None
+        self.peak_flops = device_tools.mfu_peak_flops(self.device.type, param_dtype, tf32=self.tf32)
         self.metrics = MetricsLogger(
             dump_folder=self.dump_folder,
             rank=self.rank,
@@ -180,52 +180,57 @@ class Trainer:
     def train(self, after_step: Callable[[int], None] | None = None) -> None:
         """Train until training.steps (or an agreed stop signal). `after_step(step)` runs after each step's
         update and log, before its checkpoint (the parity tests read the parameters there)."""
-        cfg = self.cfg.training
-        data_iter = iter(self.dataloader)
         gc.disable()  # collect on a fixed cadence instead of at random points inside a step
         gc.collect(1)
-        window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
-        self.memory.reset_peak()
         try:
-            for step in range(self.train_state.step + 1, cfg.steps + 1):
-                t = time.perf_counter()
-                microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
-                data_wait += time.perf_counter() - t
-                loss_sum, local_tokens, global_tokens, grad_norm = self._guarded_step(step, microbatches)
-                self.train_state.step = step
-                self.train_state.tokens_seen += int(global_tokens)
-                self.train_state.skipped_steps = self.guard.skipped_steps
-                window_tokens += int(local_tokens)
-                if step == self.first_step:  # compilation and first collectives are behind us
-                    dist_utils.set_training_timeout(self.cfg.comm.train_timeout_seconds,
-                                                    keep=[self.checkpointer.process_group])
-                if step % cfg.gc_freq == 0:
-                    gc.collect(1)
-                validation = {}
-                if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
-                    validation = self.validator.validate(self.model, self.autocast)
-                if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps \
-                        or validation:
-                    elapsed = time.perf_counter() - window_start
-                    # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
-                    tps = window_tokens / elapsed / self.parallel_dims.non_data_parallel_size
-                    self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, tps,
-                              100.0 * data_wait / elapsed, validation)
-                    window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
-                    self.memory.reset_peak()
-                if after_step is not None:
-                    after_step(step)
-                stop = self.guard.stop_requested
-                if stop:
-                    self.stop_signal.acknowledge()
-                self.checkpointer.maybe_save(step, last_step=step == cfg.steps, force=stop)
-                if stop:
-                    logger.info(f"{self.stop_signal.name} received: checkpoint saved after step {step}; exiting")
-                    return
-            logger.info(f"training finished after {cfg.steps} steps")
+            with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank, self.device.type, self.first_step,
+                               self.cfg.training.steps) as profiler:
+                self._loop(after_step, profiler)
         finally:
             self.stop_signal.acknowledge()  # finishing or failing, not stuck: no watchdog exit
             gc.enable()
+
+    def _loop(self, after_step, profiler) -> None:
+        cfg = self.cfg.training
+        data_iter = iter(self.dataloader)
+        window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
+        self.memory.reset_peak()
+        for step in range(self.train_state.step + 1, cfg.steps + 1):
+            t = time.perf_counter()
+            microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+            data_wait += time.perf_counter() - t
+            loss_sum, local_tokens, global_tokens, grad_norm = self._guarded_step(step, microbatches)
+            self.train_state.step = step
+            self.train_state.tokens_seen += int(global_tokens)
+            self.train_state.skipped_steps = self.guard.skipped_steps
+            window_tokens += int(local_tokens)
+            if step == self.first_step:  # compilation and first collectives are behind us
+                dist_utils.set_training_timeout(self.cfg.comm.train_timeout_seconds,
+                                                keep=[self.checkpointer.process_group])
+            if step % cfg.gc_freq == 0:
+                gc.collect(1)
+            validation = {}
+            if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
+                validation = self.validator.validate(self.model, self.autocast)
+            if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
+                elapsed = time.perf_counter() - window_start
+                # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
+                tps = window_tokens / elapsed / self.parallel_dims.non_data_parallel_size
+                self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, tps, 100.0 * data_wait / elapsed,
+                          validation)
+                window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0
+                self.memory.reset_peak()
+            if after_step is not None:
+                after_step(step)
+            stop = self.guard.stop_requested
+            if stop:
+                self.stop_signal.acknowledge()
+            self.checkpointer.maybe_save(step, last_step=step == cfg.steps, force=stop)
+            profiler.step()
+            if stop:
+                logger.info(f"{self.stop_signal.name} received: checkpoint saved after step {step}; exiting")
+                return
+        logger.info(f"training finished after {cfg.steps} steps")
 
     def _guarded_step(self, step: int, microbatches):
         """train_step, with any failure named by its step; after a failed collective this rank's flight
@@ -289,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
                               f"this machine runs on {device_tools.device_type()}")
         if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
             raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1), not {world_size}")
+        check_profiling_device(cfg.profiling, device_tools.device_type())
     except ConfigError as e:
         # Every rank reports (torchrun shows LOG_RANK's output) and records the error for the launcher's
         # summary: whichever rank exits first gets the others killed, possibly before they print.
