@@ -59,7 +59,7 @@ class Trainer:
         spec = get_model_spec(cfg.model.name)
         max_seq_len = max(cfg.training.seq_len, validation_shape(cfg)[1] if cfg.validation.enable else 0)
         model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=max_seq_len)
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir())
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir(), model_args.vocab_size)
         if tokenizer.vocab_size > model_args.vocab_size:
             raise ConfigError(
                 f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "

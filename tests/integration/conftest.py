@@ -2,8 +2,49 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.layouts import COMMON, REFERENCES
+from tests.integration.parity import run_layout
+from tests.integration.pool import Pools
+
 
 @pytest.fixture(scope="session")
 def tt_cache_dir(tmp_path_factory):
-    """One tokenizer cache for the session: the default BPE is trained once, then loaded by every run."""
+    """One tokenizer and inductor cache for the session: the default BPEs are trained once, then loaded."""
     return tmp_path_factory.mktemp("torchtitan_cache")
+
+
+@pytest.fixture(scope="session")
+def pools(tmp_path_factory, tt_cache_dir):
+    """Persistent pools of 1, 2, 4 and 8 forked gloo ranks (tests/integration/pool.py), started on first use."""
+    env = {"TORCHTITAN_CACHE_DIR": str(tt_cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(tt_cache_dir / "inductor"),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    pools = Pools(tmp_path_factory.mktemp("pool_logs"), env)
+    yield pools
+    pools.close()
+
+
+def train_layout(pools: Pools, nproc: int, args, dump_folder, faults: tuple = (), timeout: float = 180.0) -> dict:
+    """Train `args` (on top of COMMON) on the pool of `nproc` ranks; rank 0's metrics and parameter checksums."""
+    return pools.get(nproc).run(run_layout, [*COMMON, *args], str(dump_folder), faults, timeout=timeout)[0]
+
+
+def setup_error(pools: Pools, nproc: int, args, dump_folder) -> str:
+    """The one-line error with which building the Trainer for `args` fails, the same on every rank."""
+    errors = pools.get(nproc).run(run_layout, [*COMMON, *args], str(dump_folder), (), "setup_error")
+    assert all(e == errors[0] for e in errors), errors
+    return errors[0]["error"]
+
+
+@pytest.fixture(scope="session")
+def reference(pools, tmp_path_factory):
+    """The 1-process runs of REFERENCES, each trained once per session when first asked for."""
+    cache: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            ref = REFERENCES[name]
+            cache[name] = train_layout(pools, 1, ref.overrides, tmp_path_factory.mktemp(name))
+        return cache[name]
+
+    return get

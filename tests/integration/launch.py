@@ -27,7 +27,8 @@ class RunResult:
         return [m["loss"] for m in self.metrics()]
 
 
-def _command_and_env(nproc: int, args, dump_folder: Path, cache_dir: Path, extra_env: dict[str, str] | None):
+def launch_env(nproc: int, cache_dir: Path, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launched run: this interpreter, CPU only, offline, one thread per rank."""
     env = dict(os.environ)
     env.update({
         "NGPU": str(nproc),
@@ -44,9 +45,13 @@ def _command_and_env(nproc: int, args, dump_folder: Path, cache_dir: Path, extra
         "CUDA_VISIBLE_DEVICES": "",
     })
     env.update(extra_env or {})
+    return env
+
+
+def _command_and_env(nproc: int, args, dump_folder: Path, cache_dir: Path, extra_env: dict[str, str] | None):
     cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump_folder),
            "--comm.init_timeout_seconds", "90", "--comm.train_timeout_seconds", "60", *args]
-    return cmd, env
+    return cmd, launch_env(nproc, cache_dir, extra_env)
 
 
 def start_train(nproc: int, args, dump_folder: Path, cache_dir: Path, log_path: Path,

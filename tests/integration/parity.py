@@ -35,12 +35,14 @@ class Layout:
     """the 1-process layout whose results this one must match"""
 
 
-def _new_groups(before: set) -> list:
-    return [g for g in dist.distributed_c10d._world.pg_map if g not in before]
+def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: str = "success") -> dict | None:
+    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...]}, the others None.
 
-
-def run_layout(argv: list[str], dump_folder: str, faults: tuple = ()) -> dict | None:
-    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...]}, the others None."""
+    expect="setup_error": building the Trainer must fail with a one-line ValueError (as `run()` reports it);
+    expect="training_error": training must stop with a TrainingError. Every rank then returns {"error": message}
+    (and rank 0 the metrics logged until then) instead of raising, so the pool stays usable.
+    """
+    from torchtitan.components.step_guard import TrainingError
     from torchtitan.config.manager import parse_args
     from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
     from torchtitan.distributed.utils import env_world
@@ -50,22 +52,34 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = ()) -> dict | 
     cfg = parse_args([*argv, "--job.dump_folder", dump_folder])
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
     _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
-    groups_before = set(dist.distributed_c10d._world.pg_map)
     params: list[dict[str, list[float]]] = []
+    # The layout's process groups stay alive after it: DTensor caches sharding decisions per (equal) mesh, so a
+    # later layout with an equal mesh reuses the groups an earlier one created (same ranks, same meaning), and
+    # destroying them would leave those cache entries pointing at dead groups.
     try:
         trainer = Trainer(cfg, parallel_dims, grad_accum_steps, torch.device("cpu"))
-        for fault in faults:
-            FAULTS[fault[0]](trainer, *fault[1:])
+    except ValueError as e:
+        if expect == "setup_error":
+            return {"error": str(e)}
+        raise
+    assert expect != "setup_error", "the layout was expected to fail during setup, but the Trainer was built"
+    for fault in faults:
+        FAULTS[fault[0]](trainer, *fault[1:])
+    result: dict[str, Any] = {}
+    try:
         trainer.train(after_step=lambda step: params.append(param_checksums(trainer.model, parallel_dims)))
-        trainer.close()
-    finally:
-        dist.barrier()  # every rank is done with the layout's groups before any rank destroys them
-        for group in _new_groups(groups_before):
-            dist.destroy_process_group(group)
+    except TrainingError as e:
+        if expect != "training_error":
+            raise
+        result["error"] = str(e)
+    assert expect != "training_error" or "error" in result, "training was expected to stop with an error"
+    trainer.close()
     if rank != 0:
-        return None
-    metrics = [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines() if line]
-    return {"metrics": metrics, "params": params}
+        return result or None
+    metrics_file = Path(dump_folder) / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line] \
+        if metrics_file.exists() else []
+    return {**result, "metrics": metrics, "params": params}
 
 
 def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[float]]:
@@ -76,7 +90,8 @@ def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[flo
     so stages or expert groups that hold different parameters merge too.
     """
     mine: dict[str, list[float]] = {}
-    for name, p in model.named_parameters():
+    for wrapped_name, p in model.named_parameters():
+        name = canonical_name(wrapped_name)
         if isinstance(p, DTensor):
             coordinate = p.device_mesh.get_coordinate()
             owner = all(c == 0 for c, pl in zip(coordinate, p.placements, strict=True) if isinstance(pl, Replicate))
@@ -95,6 +110,11 @@ def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[flo
         for name, sums in part.items():
             merged[name] = [a + b for a, b in zip(merged.get(name, [0.0, 0.0, 0.0]), sums, strict=True)]
     return merged
+
+
+def canonical_name(name: str) -> str:
+    """The parameter's name without activation-checkpoint and compile wrappers (as checkpoints store it)."""
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
 
 
 def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE) -> list[str]:
@@ -116,7 +136,7 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE)
         problems.append((math.inf, f"{len(run['params'])} parameter checksums vs {len(reference['params'])}"))
     for step, (got, ref) in enumerate(zip(run["params"], reference["params"], strict=False), start=1):
         if set(got) != set(ref):
-            problems.append((math.inf, f"step {step}: parameter names differ: {sorted(set(got) ^ set(ref))}"))
+            problems.append((math.inf, f"step {step}: parameter names differ: {sorted(set(got) ^ set(ref))[:4]}"))
             continue
         for name in ref:
             (s, a, q), (rs, ra, rq) = got[name], ref[name]

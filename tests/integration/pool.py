@@ -4,7 +4,8 @@ Starting ranks costs seconds (torchrun: 6 s for 2 ranks, 20 s for 8 on 2 cores);
 trains for about as long. So each world size gets one pool per test session: its ranks are forked once from
 the clean fork server (tests/forking.py), create the default process group once, through the trainer's own
 `init_distributed`, and then run layouts on request. Each layout builds its own DeviceMesh (and subgroups) on
-that default group and destroys its subgroups when it is done, so layouts do not see each other.
+that default group; a rank logs its open file descriptors before each request, since subgroups stay alive
+(see parity.run_layout for why).
 
 A failure anywhere (an exception on one rank, a timeout) kills the whole pool: the other ranks may be blocked in
 a collective that will never complete. The next request starts a fresh pool.
@@ -53,7 +54,8 @@ def _serve(rank: int, world: int, port: int, conn, env: dict[str, str], log_path
             if message is None:
                 break
             fn, args = message
-            print(f"=== {getattr(fn, '__name__', fn)} {args!r:.300}", flush=True)
+            fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+            print(f"=== {getattr(fn, '__name__', fn)} (open fds {fds}) {args!r:.300}", flush=True)
             try:
                 conn.send(("ok", fn(*args)))
             except BaseException:  # noqa: BLE001 - the parent decides; this rank reports and waits
@@ -77,8 +79,8 @@ class RankPool:
         for rank in range(world):
             parent, child = CTX.Pipe()
             proc = CTX.Process(target=_serve, args=(rank, world, port, child, dict(env or {}),
-                                                    str(self.log_dir / f"rank{rank}.log")), daemon=True)
-            proc.start()
+                                                    str(self.log_dir / f"rank{rank}.log")))
+            proc.start()  # not a daemon: a rank may start dataloader workers (it exits when its pipe closes)
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)

@@ -1,4 +1,5 @@
-"""Checkpoints through run_train.sh: exact resume, resharded resume, partial folders, kill -9, SIGTERM."""
+"""Checkpoints: exact and resharded resume and extending a finished run (in the rank pools, through the trainer's
+own code), async saves with a Hugging Face export, and kill -9 / SIGTERM through run_train.sh."""
 
 from __future__ import annotations
 
@@ -10,26 +11,18 @@ import time
 
 import pytest
 
+from tests.integration.conftest import setup_error, train_layout
 from tests.integration.launch import kill_tree, run_train, start_train
+from tests.integration.layouts import dp
+from tests.integration.parity import compare
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
-BASE = (
-    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.global_batch_size", "8",
-    "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-    "--debug.seed", "3", "--job.print_config", "false",
-    "--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0",
-    "--checkpoint.last_save_model_only", "false",
-)
-
-
-def _layout(nproc: int) -> tuple[str, ...]:
-    return ("--training.local_batch_size", str(8 // nproc))
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+STEPS = 12
+CKPT = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "6",
+        "--checkpoint.keep_latest_k", "0")
+FSDP4 = dp(2, 4)
+TP2 = (*dp(4, 2), "--parallelism.tensor_parallel_degree", "2")
 
 
 def _complete_steps(run_dir) -> list[int]:
@@ -37,68 +30,130 @@ def _complete_steps(run_dir) -> list[int]:
     if not folder.exists():
         return []
     return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")
-                  if p.is_dir() and (p / ".complete").exists())
+                  if p.is_dir() and p.name.count("-") == 1 and (p / ".complete").exists())
 
 
-def _resume_from(straight, step: int, dest) -> None:
-    """A fresh run folder holding only the straight run's checkpoint at `step`."""
+def _resume_from(source, step: int, dest) -> None:
+    """A fresh run folder holding only `source`'s checkpoint at `step`."""
     (dest / "checkpoint").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
+    shutil.copytree(source / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
+
+
+def _from_step(run: dict, first: int) -> dict:
+    """The steps >= first of a run (its metrics file may also hold the steps of the run it resumed)."""
+    metrics = [m for m in run["metrics"] if m["step"] >= first]
+    return {"metrics": metrics, "params": run["params"][-len(metrics):]}
 
 
 @pytest.fixture(scope="module")
-def straight_fsdp4(tmp_path_factory, tt_cache_dir):
+def straight_fsdp4(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    result = run_train(4, [*BASE, *_layout(4)], out, tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    assert _complete_steps(out) == [10, 20]
-    return out
+    run = train_layout(pools, 4, (*CKPT, *FSDP4), out)
+    # The last step writes the full state too (a finished run can be extended), plus the model-only export.
+    assert _complete_steps(out) == [6, 12]
+    marker = json.loads((out / "checkpoint" / "step-12-model" / ".complete").read_text())
+    assert marker["model_only"] and marker["step"] == 12
+    return out, run
 
 
-def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, tmp_path, tt_cache_dir):
-    _resume_from(straight_fsdp4, 10, tmp_path)
-    result = run_train(4, [*BASE, *_layout(4)], tmp_path, tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    resumed, straight = _losses(tmp_path), _losses(straight_fsdp4)
-    assert sorted(resumed) == list(range(11, STEPS + 1)), "the resumed run must start at step 11"
-    for step in resumed:
-        assert resumed[step] == straight[step], f"step {step}: {resumed[step]!r} != {straight[step]!r}"
+def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, pools, tmp_path):
+    folder, straight = straight_fsdp4
+    _resume_from(folder, 6, tmp_path)
+    resumed = train_layout(pools, 4, (*CKPT, *FSDP4), tmp_path)
+    assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
+    expected = _from_step(straight, 7)
+    for got, ref in zip(resumed["metrics"], expected["metrics"], strict=True):
+        assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
+                                                                         ref.get("val_loss")), (got, ref)
+    assert resumed["params"] == expected["params"]
 
 
-def _assert_continues(resumed_dir, straight_dir, first_step: int) -> None:
-    resumed, straight = _losses(resumed_dir), _losses(straight_dir)
-    assert sorted(resumed) == list(range(first_step, STEPS + 1))
-    for step in resumed:  # same sequences in the same steps (global data cursor), same weights and moments
-        assert abs(resumed[step] - straight[step]) <= 1e-5 * abs(straight[step]), (step, resumed[step], straight[step])
+def test_resume_on_hsdp_continues_the_curve(straight_fsdp4, pools, tmp_path):
+    folder, straight = straight_fsdp4
+    _resume_from(folder, 6, tmp_path)
+    resumed = train_layout(pools, 4, (*CKPT, *dp(1, 4), "--parallelism.data_parallel_replicate_degree", "2"),
+                           tmp_path)
+    problems = compare(resumed, _from_step(straight, 7))
+    assert not problems, problems[:5]
 
 
-def test_resume_on_hsdp_continues_the_curve(straight_fsdp4, tmp_path, tt_cache_dir):
-    # (FSDP 4 -> 1 process and FSDP 2 are resharding cases covered by the forked unit tests in test_checkpoint.py)
-    _resume_from(straight_fsdp4, 10, tmp_path)
-    result = run_train(4, [*BASE, *_layout(4), "--parallelism.data_parallel_replicate_degree", "2"], tmp_path,
-                       tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    _assert_continues(tmp_path, straight_fsdp4, 11)
-
-
-def test_resume_across_tensor_parallel_both_ways(straight_fsdp4, tmp_path, tt_cache_dir):
-    # FSDP 4 step 10 -> FSDP 2 x TP 2 (saves step 15) -> FSDP 4 again: the TP-sharded checkpoint must load too.
+def test_resume_across_tensor_parallel_both_ways(straight_fsdp4, pools, tmp_path):
+    # FSDP 4 step 6 -> FSDP 2 x TP 2 (saves step 9) -> FSDP 4 again: the TP-sharded checkpoint must load too.
+    folder, straight = straight_fsdp4
     tp_run, back = tmp_path / "fsdp2_tp2", tmp_path / "fsdp4"
-    _resume_from(straight_fsdp4, 10, tp_run)
-    tp_layout = ("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-                 "--checkpoint.interval", "5")
-    result = run_train(4, [*BASE, *tp_layout], tp_run, tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    _assert_continues(tp_run, straight_fsdp4, 11)
-    _resume_from(tp_run, 15, back)
-    result = run_train(4, [*BASE, *_layout(4)], back, tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    _assert_continues(back, straight_fsdp4, 16)
+    _resume_from(folder, 6, tp_run)
+    resumed = train_layout(pools, 4, (*CKPT, *TP2, "--checkpoint.interval", "3"), tp_run)
+    assert not compare(resumed, _from_step(straight, 7))
+    _resume_from(tp_run, 9, back)
+    again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
+    problems = compare(again, _from_step(straight, 10))
+    assert not problems, problems[:5]
+
+
+EXTEND = (*dp(4, 2), "--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.decay_ratio", "0")
+
+
+def test_extending_a_finished_run_continues_exactly(pools, tmp_path):
+    """Regression: `--training.steps 12` on a finished 6-step run restarted the LR schedule, the data and the step
+    count from the model-only final save, and overwrote step folders. (Constant LR after warmup here, so the
+    schedule does not depend on training.steps and the extended run must equal a straight 12-step run.)"""
+    straight = train_layout(pools, 2, (*EXTEND, "--training.steps", "12"), tmp_path / "straight")
+    run = tmp_path / "run"
+    train_layout(pools, 2, (*EXTEND, "--training.steps", "6"), run)
+    extended = train_layout(pools, 2, (*EXTEND, "--training.steps", "12"), run)
+    assert [m["step"] for m in extended["metrics"]] == list(range(1, 13)), "the extension must start at step 7"
+    extended = _from_step(extended, 7)
+    expected = _from_step(straight, 7)
+    assert [m["loss"] for m in extended["metrics"]] == [m["loss"] for m in expected["metrics"]]
+    assert extended["params"] == expected["params"]
+    assert _complete_steps(run) == [6, 12]  # full states, beside the model-only exports
+    assert (run / "checkpoint" / "step-6-model" / ".complete").exists()
+
+    # Going back to step 6 would overwrite step-12 of the run that got further: refused before any step.
+    error = setup_error(pools, 2, (*EXTEND, "--training.steps", "12", "--checkpoint.load_step", "6"), run)
+    assert "step-12" in error and "overwrite" in error, error
+    # Fewer steps than the checkpoint already has: refused with the key to change.
+    error = setup_error(pools, 2, (*EXTEND, "--training.steps", "10"), run)
+    assert "training.steps=10" in error, error
+
+
+def test_async_save_with_hugging_face_export_loads_in_transformers(pools, tmp_path):
+    """Regression: with async saves, the final Hugging Face export's collectives interleaved with the pending
+    background save on the checkpoint group: two-rank runs hung or died with 'Connection reset by peer'."""
+    import torch
+    import transformers
+
+    from torchtitan.components.hf_io import load_hf
+    from torchtitan.models.llama3 import Transformer
+
+    # The 7M-parameter debug model: its background save lasts long enough to overlap the export.
+    args = (*dp(4, 2), "--model.flavor", "debugmodel", "--training.steps", "3", "--checkpoint.enable",
+            "--checkpoint.interval", "1",
+            "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only", "false",
+            "--checkpoint.last_save_in_hf", "true")
+    train_layout(pools, 2, args, tmp_path, timeout=90)
+    assert _complete_steps(tmp_path) == [1, 2, 3]
+    hf_dir = tmp_path / "checkpoint" / "step-3-hf"
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, local_files_only=True, torch_dtype=torch.float32)
+    state, model_args = load_hf(hf_dir)
+    ours = Transformer(model_args)
+    ours.load_state_dict(state, strict=True)  # built on CPU, so the rotary buffer is already computed
+    tokens = torch.randint(0, model_args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf_model(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+# ---- through run_train.sh: the launcher's signals and an abrupt kill --------------------------------------------
+
+LAUNCH = ("--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--training.global_batch_size", "8",
+          "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config", "false",
+          "--checkpoint.enable", "--checkpoint.keep_latest_k", "0")
 
 
 def test_kill_9_at_any_moment_then_resume(tmp_path, tt_cache_dir):
-    args = [*BASE, *_layout(2), "--training.steps", "400", "--checkpoint.interval", "1"]
-    proc = start_train(2, args, tmp_path, tt_cache_dir, tmp_path / "killed.log")
+    proc = start_train(2, [*LAUNCH, "--training.steps", "400", "--checkpoint.interval", "1"], tmp_path, tt_cache_dir,
+                       tmp_path / "killed.log")
     try:
         deadline = time.time() + 180
         while len(_complete_steps(tmp_path)) < 3 and time.time() < deadline and proc.poll() is None:
@@ -109,8 +164,8 @@ def test_kill_9_at_any_moment_then_resume(tmp_path, tt_cache_dir):
         kill_tree(proc.pid)
         proc.wait(timeout=30)
     newest = _complete_steps(tmp_path)[-1]
-    result = run_train(2, [*BASE, *_layout(2), "--training.steps", str(newest + 2),
-                           "--checkpoint.interval", "1"], tmp_path, tt_cache_dir)
+    result = run_train(2, [*LAUNCH, "--training.steps", str(newest + 2), "--checkpoint.interval", "1"], tmp_path,
+                       tt_cache_dir)
     assert result.returncode == 0, result.output[-4000:]
     assert f"step-{newest}" in result.output, "the resumed run must name the checkpoint it loaded"
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
@@ -118,8 +173,8 @@ def test_kill_9_at_any_moment_then_resume(tmp_path, tt_cache_dir):
 
 
 def test_sigterm_saves_a_complete_checkpoint_and_exits(tmp_path, tt_cache_dir):
-    args = [*BASE, *_layout(2), "--training.steps", "400", "--checkpoint.interval", "1000"]
-    proc = start_train(2, args, tmp_path, tt_cache_dir, tmp_path / "term.log")
+    proc = start_train(2, [*LAUNCH, "--training.steps", "400", "--checkpoint.interval", "1000"], tmp_path,
+                       tt_cache_dir, tmp_path / "term.log")
     try:
         deadline = time.time() + 180
         metrics = tmp_path / "metrics.jsonl"
@@ -135,27 +190,5 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(tmp_path, tt_cache_dir):
     saved = _complete_steps(tmp_path)
     assert saved and saved[-1] >= 3, log[-3000:]
     assert "SIGTERM received" in log
-    result = run_train(2, [*BASE, *_layout(2), "--training.steps", str(saved[-1] + 1)], tmp_path, tt_cache_dir)
+    result = run_train(2, [*LAUNCH, "--training.steps", str(saved[-1] + 1)], tmp_path, tt_cache_dir)
     assert result.returncode == 0, result.output[-4000:]
-
-
-def test_final_hf_export_loads_in_transformers(tmp_path, tt_cache_dir):
-    import torch
-    import transformers
-
-    from torchtitan.components.hf_io import load_hf
-    from torchtitan.models.llama3 import Transformer
-
-    args = [*BASE, *_layout(2), "--training.steps", "3", "--checkpoint.last_save_model_only", "true",
-            "--checkpoint.last_save_in_hf", "true"]
-    result = run_train(2, args, tmp_path, tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    hf_dir = tmp_path / "checkpoint" / "step-3-hf"
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, local_files_only=True, torch_dtype=torch.float32)
-    state, model_args = load_hf(hf_dir)
-    ours = Transformer(model_args)
-    ours.load_state_dict(state, strict=True)  # built on CPU, so the rotary buffer is already computed
-    tokens = torch.randint(0, model_args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (hf_model(tokens).logits - ours(tokens)).abs().max().item()
-    assert diff <= 1e-4, diff

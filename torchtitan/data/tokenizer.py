@@ -37,6 +37,7 @@ DEFAULT_VOCAB_SIZE = 8192  # total, special tokens included
 # The whole corpus is ~12 MB; 10 MB of its (shuffled) documents gives the same merges to within
 # noise while keeping the one-time training at a few seconds on two cores.
 _TRAIN_BYTES = 10_000_000
+_MIN_VOCAB_SIZE = 258  # the 256 byte symbols plus BOS and EOS
 
 # Fallback names when no tokenizer_config.json says which tokens are BOS/EOS, in precedence order.
 # GPT-2 style vocabularies only have <|endoftext|>, which then serves as both BOS and EOS. For EOS,
@@ -207,10 +208,10 @@ def _train_bpe(dataset: str, vocab_size: int, max_bytes: int) -> tokenizers.Toke
     return tok
 
 
-def _build_default(cache_dir: Path) -> Tokenizer:
+def _build_default(cache_dir: Path, vocab_size: int) -> Tokenizer:
     fingerprint = corpus_fingerprint(DEFAULT_DATASET)
     out_dir = cache_dir / "tokenizers"
-    target = out_dir / f"{DEFAULT_DATASET}-bpe{DEFAULT_VOCAB_SIZE}-{fingerprint}.json"
+    target = out_dir / f"{DEFAULT_DATASET}-bpe{vocab_size}-{fingerprint}.json"
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         # Ranks on one machine race here: the first to take the lock trains, the others block on
@@ -221,7 +222,7 @@ def _build_default(cache_dir: Path) -> Tokenizer:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
                 if not target.is_file():
-                    _train_and_save(target)
+                    _train_and_save(target, vocab_size)
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     tok = Tokenizer(target, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN)
@@ -229,10 +230,10 @@ def _build_default(cache_dir: Path) -> Tokenizer:
     return tok
 
 
-def _train_and_save(target: Path) -> None:
-    logger.info(f"Training the default {DEFAULT_VOCAB_SIZE}-token byte-level BPE on '{DEFAULT_DATASET}' -> {target}")
+def _train_and_save(target: Path, vocab_size: int) -> None:
+    logger.info(f"Training the default {vocab_size}-token byte-level BPE on '{DEFAULT_DATASET}' -> {target}")
     start = time.perf_counter()
-    backend = _train_bpe(DEFAULT_DATASET, DEFAULT_VOCAB_SIZE, _TRAIN_BYTES)
+    backend = _train_bpe(DEFAULT_DATASET, vocab_size, _TRAIN_BYTES)
     # Write a temp file in the same directory and rename it over the target: os.replace is atomic
     # on POSIX, so readers never see a half-written tokenizer.json.
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=".tmp")
@@ -247,17 +248,23 @@ def _train_and_save(target: Path) -> None:
     logger.info(f"Trained tokenizer in {time.perf_counter() - start:.1f}s")
 
 
-def build_tokenizer(tokenizer_path: str, cache_dir: str | os.PathLike) -> BaseTokenizer:
+def build_tokenizer(tokenizer_path: str, cache_dir: str | os.PathLike, model_vocab_size: int | None = None
+                    ) -> BaseTokenizer:
     """The tokenizer for `model.tokenizer_path`.
 
-    "" means the default: a byte-level BPE with DEFAULT_VOCAB_SIZE tokens trained on the
+    "" means the default: a byte-level BPE with DEFAULT_VOCAB_SIZE tokens (fewer when `model_vocab_size`, the
+    model's embedding size, is smaller: small test models then get a matching tokenizer) trained on the
     python_stdlib corpus and cached under `<cache_dir>/tokenizers/`. Otherwise an HF tokenizer.json
     (a .json file, or a folder holding tokenizer.json and optionally tokenizer_config.json naming
     bos_token/eos_token), or a tiktoken BPE file (a .model or .tiktoken file, or a folder holding
     tokenizer.model and no tokenizer.json). tiktoken files may also be gs://, az:// or https:// URLs.
     """
     if tokenizer_path == "":
-        return _build_default(Path(cache_dir).expanduser())
+        vocab_size = min(DEFAULT_VOCAB_SIZE, model_vocab_size or DEFAULT_VOCAB_SIZE)
+        if vocab_size < _MIN_VOCAB_SIZE:
+            raise ValueError(f"model.tokenizer_path: the default byte-level BPE needs at least {_MIN_VOCAB_SIZE} "
+                             f"tokens, the model has {vocab_size}: give a tokenizer that fits")
+        return _build_default(Path(cache_dir).expanduser(), vocab_size)
     from torchtitan.data.tiktoken_tokenizer import TIKTOKEN_SUFFIXES, TikTokenTokenizer
 
     if "://" in tokenizer_path:  # remote: read through blobfile, tiktoken files only

@@ -126,3 +126,9 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
 
 # The debug model with tied embedding/output, the layout of the 1B and 3B flavors, for CPU tests.
 llama3_flavors["debugmodel_tied"] = replace(llama3_flavors["debugmodel"], tie_word_embeddings=True)
+# The parity tests' model: layouts of up to 8 ranks share 2 CPU cores, where every collective's latency and bytes
+# count (an 8-rank gloo all-reduce of 256 KiB takes ~20 ms there), so it is small in every dimension. The default
+# tokenizer follows its vocabulary (a 512-token BPE). 4 blocks, 2 KV heads: pipeline stages, TP 2.
+llama3_flavors["debugmodel_small"] = replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2,
+                                             vocab_size=512, multiple_of=64)
+llama3_flavors["debugmodel_small_tied"] = replace(llama3_flavors["debugmodel_small"], tie_word_embeddings=True)

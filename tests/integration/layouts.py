@@ -1,0 +1,75 @@
+"""The layout matrix: every parallel layout the parity suite trains, each against a 1-process reference.
+
+Every layout trains the same global batch (8 sequences of 64 tokens) of the small debug model for STEPS steps in
+fp32, with validation after steps 3 and 6 (so a step follows a validation), and must match its reference in
+loss, gradient norm, validation loss and every parameter (tests/integration/parity.py, docs/testing.md).
+Every data-parallel layout accumulates gradients (local batch x DP degree < 8) unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+from tests.integration.parity import Layout
+
+GLOBAL_BATCH = 8
+STEPS = 6
+
+COMMON = (
+    "--model.flavor", "debugmodel_small",
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "64",
+    "--training.global_batch_size", str(GLOBAL_BATCH),
+    "--training.mixed_precision_param", "float32",
+    "--metrics.log_freq", "1",
+    "--lr_scheduler.warmup_steps", "2",
+    "--debug.seed", "7",
+    "--job.print_config", "false",
+    "--comm.init_timeout_seconds", "60",
+    "--comm.train_timeout_seconds", "60",
+    # the first 8 validation sequences, the same 8 in every layout (validation.local_batch_size = 8 / DP degree)
+    "--validation.enable", "true",
+    "--validation.freq", "3",
+    "--validation.steps", "1",
+)
+
+
+def dp(local_batch: int, dp_degree: int) -> tuple[str, ...]:
+    """Training and validation batch for a data-parallel degree (validation: one global batch of 8)."""
+    return ("--training.local_batch_size", str(local_batch),
+            "--validation.local_batch_size", str(GLOBAL_BATCH // dp_degree))
+
+
+REFERENCES = {
+    "single_process": Layout("single_process", 1, dp(8, 1)),
+    "single_process_tied": Layout("single_process_tied", 1, (*dp(8, 1), "--model.flavor", "debugmodel_small_tied")),
+    "single_process_no_clip": Layout("single_process_no_clip", 1, (*dp(8, 1), "--training.max_norm", "0")),
+}
+
+_REPLICATE = ("--parallelism.data_parallel_replicate_degree",)
+_TP2 = ("--parallelism.tensor_parallel_degree", "2")
+
+LAYOUTS = [
+    # FSDP 2 with knobs that cannot mask an FSDP error: reshard-never, deterministic mode.
+    Layout("fsdp2_accum_reshard_never_deterministic", 2, (*dp(2, 2),
+           "--parallelism.fsdp_reshard_after_forward", "never", "--debug.deterministic", "true")),
+    Layout("fsdp2_full_ac_data_workers", 2, (*dp(4, 2), "--activation_checkpoint.mode", "full",
+                                             "--training.num_workers", "2")),
+    # Tied embedding/output lives in FSDP's root unit; every-2nd-block AC rides along.
+    Layout("fsdp2_tied_ac_every2_accum", 2, (*dp(2, 2), "--model.flavor", "debugmodel_small_tied",
+                                             "--activation_checkpoint.mode", "selective",
+                                             "--activation_checkpoint.selective_ac_option", "2"),
+           reference="single_process_tied"),
+    Layout("ddp2_accum", 2, (*dp(2, 2), *_REPLICATE, "2", "--parallelism.data_parallel_shard_degree", "1")),
+    Layout("hsdp2x2_accum", 4, (*dp(1, 4), *_REPLICATE, "2")),
+    # Tensor parallel (sequence parallel included): TP ranks read the same data, so the DP degree is world / tp.
+    Layout("tp2_no_loss_parallel_accum", 2, (*dp(4, 1), *_TP2, "--parallelism.disable_loss_parallel", "true")),
+    Layout("fsdp2_tp2_op_ac_accum", 4, (*dp(2, 2), *_TP2, "--activation_checkpoint.mode", "selective",
+                                        "--activation_checkpoint.selective_ac_option", "op")),
+    Layout("hsdp2x1_tp2_accum", 4, (*dp(2, 2), *_TP2, *_REPLICATE, "2")),
+    # Eight ranks on a 3-D mesh (replicate x shard x tp); one micro-batch to stay within the budget.
+    Layout("hsdp2x2_tp2", 8, (*dp(2, 4), *_TP2, *_REPLICATE, "2")),
+    # torch.compile per block on TP 2 with loss parallel (the loss eager there, validation eager): the one
+    # compiled layout, since a cold inductor compile costs ~15 s of CI time.
+    Layout("tp2_compile", 2, (*dp(8, 1), *_TP2, "--compile.enable", "true")),
+    # Clipping off: the global gradient norm is logged but not applied.
+    Layout("fsdp2_no_clip_accum", 2, (*dp(2, 2), "--training.max_norm", "0"), reference="single_process_no_clip"),
+]
