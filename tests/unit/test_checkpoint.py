@@ -156,7 +156,7 @@ def test_fsdp_resume_reshards_and_continues_bitwise(tmp_path: Path, mode: str, l
     resumed = run_ranks(_resume, tmp_path)
     for before, after in zip(saved, resumed, strict=True):
         assert before["draw"] == after["draw"]  # each rank's generator restored
-        assert after["ts"] == {"step": 2, "tokens_seen": 32}
+        assert after["ts"] == {"step": 2, "tokens_seen": 32, "skipped_steps": 0}
         assert after["loader"]["sequences_consumed"] == 4 and after["loader"]["next_doc"] == 6
         assert after["last_epoch"] == 2
     assert saved[0]["draw"] != saved[1]["draw"]

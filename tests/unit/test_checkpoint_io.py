@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.unit.test_checkpoint import ARGS, Run, assert_same, read_all
 from torchtitan.components import checkpoint_io as cio
+from torchtitan.components.checkpoint_io import CheckpointError
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState, checkpoint_step_folders
 from torchtitan.components.hf_io import load_hf
 from torchtitan.config.job_config import Checkpoint
@@ -46,7 +47,9 @@ def test_last_step_model_only_bf16(tmp_path: Path) -> None:
     run.mgr.maybe_save(3)  # not due
     run.mgr.maybe_save(3, last_step=True)
     run.mgr.close()
-    path = tmp_path / "checkpoint" / "step-3"
+    # The last step keeps the full state (so the run can be extended) and adds the model-only export beside it.
+    assert not cio.read_marker(tmp_path / "checkpoint" / "step-3")["model_only"]
+    path = tmp_path / "checkpoint" / "step-3-model"
     md = cio.read_metadata(path)
     assert all(k.startswith("model.") for k in md.state_dict_metadata)
     assert {v.properties.dtype for v in md.state_dict_metadata.values()} == {torch.bfloat16}
@@ -185,17 +188,46 @@ def test_when_saves_happen_and_config_errors(tmp_path: Path) -> None:
         Run(tmp_path / "new", seed=1, initial_load_path=str(tmp_path / "absent")).mgr.load()
 
 
-def test_resume_prefers_full_state_over_a_final_export(tmp_path: Path) -> None:
+def test_a_finished_run_resumes_from_its_full_final_state(tmp_path: Path) -> None:
     run = Run(tmp_path, seed=1, interval=2)  # last_save_model_only is the default
     for s in range(1, 6):
         run.step()
         run.mgr.maybe_save(s, last_step=s == 5)
     run.mgr.close()
-    assert cio.read_marker(tmp_path / "checkpoint" / "step-5")["model_only"]
+    assert not cio.read_marker(tmp_path / "checkpoint" / "step-5")["model_only"]
+    assert cio.read_marker(tmp_path / "checkpoint" / "step-5-model")["model_only"]
     longer = Run(tmp_path, seed=2)
-    assert longer.mgr.load() and longer.ts.step == 4 and longer.opt.state  # full state, not the export
-    only_export = Run(tmp_path, seed=2, load_step=5)
-    assert only_export.mgr.load() and only_export.ts.step == 0 and not only_export.opt.state
+    assert longer.mgr.load() and longer.ts.step == 5 and longer.opt.state  # the full state, not the export
+    longer.mgr.check_continuation(10)
+    behind = Run(tmp_path, seed=2, load_step=4)
+    assert behind.mgr.load() and behind.ts.step == 4
+    with pytest.raises(ValueError, match="step-5, step-5-model from a run that got further than step 4"):
+        behind.mgr.check_continuation(10)  # continuing would overwrite step-5 and its export
+    with pytest.raises(ValueError, match="training.steps=3 is below step 5"):
+        longer.mgr.check_continuation(3)
+
+
+def test_a_model_only_newest_checkpoint_is_not_resumed_silently(tmp_path: Path) -> None:
+    """Final saves of earlier versions were model-only `step-N` folders: resuming from one restarted the optimizer,
+    the schedule and the data position with only a warning."""
+    run = Run(tmp_path, seed=1, interval=2)
+    for s in range(1, 5):
+        run.step()
+        run.mgr.maybe_save(s)
+    run.mgr._save(5, model_only=True, dtype=None)  # what the final save used to write
+    run.mgr.close()
+    with pytest.raises(ValueError, match="step-5 holds model weights only.*initial_load_path.*step-4"):
+        Run(tmp_path, seed=2).mgr.load()
+
+
+def test_a_complete_checkpoint_is_never_overwritten(tmp_path: Path) -> None:
+    run = Run(tmp_path, seed=1, interval=1)
+    run.step()
+    run.mgr.maybe_save(1)
+    run.mgr.wait()
+    run.mgr._last_saved = None
+    with pytest.raises(CheckpointError, match="never overwrites"):
+        run.mgr.maybe_save(1)
 
 
 def test_purge_never_deletes_the_checkpoint_just_published(tmp_path: Path) -> None:

@@ -473,6 +473,7 @@ INVALID_VALUES = [
     (["--training.mixed_precision_reduce", "fp8"], "training.mixed_precision_reduce"),
     (["--training.dataset_streaming", "maybe"], "training.dataset_streaming"),
     (["--training.num_workers", "-1"], "training.num_workers"),
+    (["--training.on_nonfinite", "ignore"], "training.on_nonfinite"),
     # validation (checked only when enabled, except the streaming choice)
     (["--validation.dataset_streaming", "yes"], "validation.dataset_streaming"),
     (["--validation.enable", "--validation.freq", "0"], "validation.freq"),

@@ -76,7 +76,8 @@ def test_published_parameter_counts(flavor: str) -> None:
 
 
 def test_flavor_keys_and_ffn_sizes() -> None:
-    assert set(llama3_flavors) == {"debugmodel", "debugmodel_tied", "1B", "3B", "8B", "70B", "405B"}
+    assert set(llama3_flavors) == {"debugmodel", "debugmodel_tied", "debugmodel_small", "debugmodel_small_tied", "1B",
+                                   "3B", "8B", "70B", "405B"}
     assert llama3_flavors["debugmodel_tied"].tie_word_embeddings
     expected_hidden = {"1B": 8192, "3B": 8192, "8B": 14336, "70B": 28672, "405B": 53248}
     for name, hidden in expected_hidden.items():
