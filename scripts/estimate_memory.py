@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.config.manager import ConfigError, parse_args  # noqa: E402
+from torchtitan.config.errors import ConfigError  # noqa: E402
+from torchtitan.config.manager import parse_args  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.estimation.engine import estimate  # noqa: E402
 from torchtitan.estimation.report import (  # noqa: E402

@@ -19,8 +19,9 @@ from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.components.validate import Validator, validation_shape
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError, parse_args, to_dict
+from torchtitan.config.manager import parse_args, to_dict
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import validate
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import (
     ALIASES,
-    ConfigError,
     field_docs,
     help_text,
     parse_args,

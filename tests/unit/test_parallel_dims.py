@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Parallelism, Training
-from torchtitan.config.manager import ConfigError
 from torchtitan.distributed.parallel_dims import MESH_DIMS, ParallelDims, resolve_batch
 
 

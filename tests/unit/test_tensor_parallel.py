@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from tests.unit.forked import run_ranks
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.config.manager import ConfigError, parse_args
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.tensor_parallel import (

@@ -18,16 +18,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.validate import check_values
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message is one line that names the key and, if any, the file."""
 
 
 # Old spellings users' TOML files contain -> where the value lives now.
@@ -191,8 +189,6 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         load_toml(config_file, cfg)
     for sec, k, v in overrides:
         _set(cfg, sec, k, v)
-    from torchtitan.config.validate import check_values
-
     check_values(cfg)
     return cfg
 

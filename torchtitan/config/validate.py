@@ -6,12 +6,11 @@ the process group is created.
 
 from __future__ import annotations
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 
 
 def _err(msg: str) -> None:
-    from torchtitan.config.manager import ConfigError
-
     raise ConfigError(msg)
 
 
@@ -57,6 +56,7 @@ def _check_aliases(cfg: JobConfig) -> None:
 
 
 def _check_model(cfg: JobConfig) -> None:
+    # Imported here, not at the top: they pull in torch, which `--help` and scripts/gen_config_docs.py never need.
     from torchtitan.models.registry import get_model_spec
 
     try:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Parallelism, Training
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _err(msg: str) -> None:
-    from torchtitan.config.manager import ConfigError
-
     raise ConfigError(msg)
 
 
