@@ -24,7 +24,8 @@ INTRO = """# Configuration reference
 Generated from `torchtitan/config/job_config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.
 
 A run's configuration is the dataclass defaults, overridden by a TOML file (`--job.config_file`, which
-`run_train.sh` sets from `CONFIG_FILE`), overridden by `--section.key value` command-line arguments.
+`run_train.sh` sets from `CONFIG_FILE` unless the command line has its own), overridden by `--section.key value`
+command-line arguments. A key given twice on the command line takes the last value.
 `./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type or an
 invalid value stops the run before any process group is created, with one line naming the key and file.
 The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`.

@@ -147,6 +147,39 @@ def test_cli_config_file_with_equals_form(tmp_path):
     assert parse_args([f"--job.config_file={p}"]).training.steps == 9
 
 
+@pytest.mark.parametrize("equals", [False, True])
+def test_config_file_given_twice_loads_and_records_the_last(tmp_path, equals):
+    # run_train.sh used to put its default --job.config_file first: the user's file must be the one loaded.
+    first = _write(tmp_path, "[training]\nsteps = 1\nseq_len = 64\n", "first.toml")
+    last = _write(tmp_path, "[training]\nsteps = 2\n", "last.toml")
+    second = [f"--job.config_file={last}"] if equals else ["--job.config_file", str(last)]
+    cfg = parse_args(["--job.config_file", str(first), *second])
+    assert cfg.training.steps == 2
+    assert cfg.training.seq_len == JobConfig().training.seq_len  # nothing from the first file
+    assert cfg.job.config_file == str(last)  # what job_config.json records is the file loaded
+
+
+def test_config_file_given_twice_only_the_last_must_exist(tmp_path):
+    last = _write(tmp_path, "[training]\nsteps = 2\n", "last.toml")
+    assert parse_args(["--job.config_file", str(tmp_path / "gone.toml"), "--job.config_file", str(last)]) \
+        .training.steps == 2
+    msg = _config_error(["--job.config_file", str(last), "--job.config_file", str(tmp_path / "gone.toml")])
+    assert str(tmp_path / "gone.toml") in msg
+
+
+def test_invalid_value_from_the_toml_names_the_file(tmp_path):
+    p = _write(tmp_path, "[training]\nseq_len = -3\n")
+    msg = _config_error(["--job.config_file", str(p)])
+    assert msg.startswith(f"{p}: training.seq_len")
+    # overridden on the command line, the value checked is not the file's: no file named
+    msg = _config_error(["--job.config_file", str(p), "--training.seq_len", "-4"])
+    assert msg.startswith("training.seq_len") and str(p) not in msg
+
+
+def test_help_says_the_last_value_wins():
+    assert "takes the last value" in help_text()
+
+
 @pytest.mark.parametrize(
     ("argv", "section", "key", "expected"),
     [

@@ -1,6 +1,7 @@
 """TOML + command line -> one validated JobConfig, before any process group exists.
 
-Precedence: dataclass defaults < TOML file (`--job.config_file`) < `--section.key value` overrides.
+Precedence: dataclass defaults < TOML file (`--job.config_file`) < `--section.key value` overrides. A key given
+twice on the command line takes the last value, `--job.config_file` included (the file loaded is the one recorded).
 Every problem is a `ConfigError` whose message is one line naming the key (and the file).
 """
 
@@ -11,6 +12,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import re
 import sys
 import textwrap
 import types
@@ -153,7 +155,8 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any) -> None:
     setattr(getattr(cfg, section), key, value)
 
 
-def load_toml(path: str, cfg: JobConfig) -> None:
+def load_toml(path: str, cfg: JobConfig) -> list[str]:
+    """Set the values of the TOML file `path` on `cfg`; returns the keys ("section.key") it set."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"job.config_file: file not found: {path}")
@@ -161,16 +164,37 @@ def load_toml(path: str, cfg: JobConfig) -> None:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    keys = []
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
         for key, value in values.items():
             sec, k, tp = _resolve_key(section, key, f"{path}: ")
             _set(cfg, sec, k, _coerce(value, tp, f"{path}: {sec}.{k}", from_cli=False))
+            keys.append(f"{sec}.{k}")
+    return keys
+
+
+def _named_by_file(err: ConfigError, files: dict[str, str]) -> ConfigError:
+    """A check's message starts with the key it rejects: put the file in front when the value came from one."""
+    match = re.match(r"[a-z_]+\.[a-z0-9_]+", str(err))
+    if match is None or match.group(0) not in files:
+        return err
+    return ConfigError(f"{files[match.group(0)]}: {err}")
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Build the JobConfig from defaults, the TOML file and command-line overrides, then check values."""
+    cfg, files = _read(argv)
+    try:
+        check_values(cfg)
+    except ConfigError as e:
+        raise _named_by_file(e, files) from None
+    return cfg
+
+
+def _read(argv: list[str] | None) -> tuple[JobConfig, dict[str, str]]:
+    """The config the sources spell out, unchecked, and key -> file for the values that came from the TOML file."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(help_text())
@@ -184,13 +208,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         section, key = name.split(".", 1)
         sec, k, tp = _resolve_key(section, key, f"--{name}: ")
         overrides.append((sec, k, _coerce(value, tp, f"--{sec}.{k}", from_cli=True)))
-    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), "")
-    if config_file:
-        load_toml(config_file, cfg)
+    # The last one wins, as for every key: it is also the value the overrides below leave in job.config_file.
+    config_file = next((v for s, k, v in reversed(overrides) if (s, k) == ("job", "config_file")), "")
+    files = dict.fromkeys(load_toml(config_file, cfg), config_file) if config_file else {}
     for sec, k, v in overrides:
         _set(cfg, sec, k, v)
-    check_values(cfg)
-    return cfg
+        files.pop(f"{sec}.{k}", None)  # the command line's value is the one checked now
+    return cfg, files
 
 
 def to_dict(cfg: JobConfig) -> dict[str, Any]:
@@ -205,7 +229,8 @@ def help_text() -> str:
     lines = [
         "usage: run_train.sh [--section.key value ...]",
         "",
-        "Defaults < TOML file (--job.config_file) < command-line overrides. Sections and keys:",
+        "Defaults < TOML file (--job.config_file) < command-line overrides; a key given twice on the command line",
+        "takes the last value. Sections and keys:",
     ]
     for section, cls in section_classes().items():
         docs = field_docs(cls)
