@@ -35,7 +35,8 @@ Key names follow torchtitan v0.2.2's TOML schema where the concept is the same. 
 - The tokenizer is `model.tokenizer_path` (a `tokenizer.json` file or a folder with one); v0.2.2's
   `model.hf_assets_path` is accepted as an alias.
 - `seed` and `deterministic` live in `[debug]` as in v0.2.2; `training.seed` / `training.deterministic`
-  are accepted as aliases.
+  are accepted as aliases. An alias is the same key: the command line wins over the TOML whichever spelling
+  each uses, and two spellings in one source (both in the TOML, or both on the command line) must agree.
 - `activation_checkpoint.mode` defaults to `none` until activation checkpointing lands.
 - Options marked "not available yet" are parsed (so existing files load) but enabling them is an error.
 """
@@ -54,7 +55,11 @@ def render() -> str:
         lines.append("|---|---|---|---|")
         for f in dataclasses.fields(cls):
             default = json.dumps(getattr(defaults, f.name))
-            lines.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | `{default}` | {docs.get(f.name, '')} |")
+            meaning = docs.get(f.name, "")
+            aliases = [f"`{a}.{b}`" for (a, b), target in ALIASES.items() if target == (section, f.name)]
+            if aliases:
+                meaning += f" (also accepted as {', '.join(aliases)})"
+            lines.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | `{default}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -290,9 +290,9 @@ def test_training_seed_and_deterministic_are_aliases_of_debug(argv, seed, determ
     cfg = parse_args(argv)
     assert cfg.debug.seed == seed
     assert cfg.debug.deterministic is deterministic
-    # the alias is folded into [debug], so only one place holds the value
-    assert cfg.training.seed is None
-    assert cfg.training.deterministic is None
+    # the alias is folded into [debug] when read, so only one place holds the value
+    assert not hasattr(cfg.training, "seed") and not hasattr(cfg.training, "deterministic")
+    assert "seed" not in to_dict(cfg)["training"]
 
 
 def test_training_seed_alias_from_toml(tmp_path):
@@ -311,13 +311,45 @@ def test_training_seed_alias_from_toml(tmp_path):
 )
 def test_conflicting_alias_and_debug_values(argv, key):
     msg = _config_error(argv)
-    assert f"training.{key}" in msg and f"debug.{key}" in msg
+    assert f"training.{key}" in msg and f"debug.{key}" in msg and "command line" in msg
 
 
-def test_conflicting_seed_between_toml_and_cli(tmp_path):
-    p = _write(tmp_path, "[debug]\nseed = 1\n")
-    msg = _config_error(["--job.config_file", str(p), "--training.seed", "2"])
+def test_same_spelling_twice_on_the_command_line_takes_the_last():
+    assert parse_args(["--training.seed", "5", "--training.seed", "6"]).debug.seed == 6
+
+
+@pytest.mark.parametrize(
+    ("toml", "argv", "seed", "deterministic"),
+    [
+        ("[debug]\nseed = 1\n", ["--training.seed", "2"], 2, False),
+        ("[training]\nseed = 1\n", ["--debug.seed", "2"], 2, False),
+        ("[training]\nseed = 1\n", ["--training.seed", "2"], 2, False),
+        ("[debug]\nseed = 1\n", ["--debug.seed", "none"], None, False),
+        ("[debug]\ndeterministic = true\n", ["--training.deterministic", "false"], None, False),
+        ("[training]\ndeterministic = true\nseed = 3\n", ["--debug.deterministic", "false"], 3, False),
+        ("[training]\nseed = 4\n[debug]\nseed = 4\n", [], 4, False),  # two spellings that agree
+    ],
+)
+def test_command_line_wins_over_toml_for_either_spelling(tmp_path, toml, argv, seed, deterministic):
+    p = _write(tmp_path, toml)
+    cfg = parse_args(["--job.config_file", str(p), *argv])
+    assert cfg.debug.seed == seed
+    assert cfg.debug.deterministic is deterministic
+
+
+def test_two_spellings_in_the_toml_conflict(tmp_path):
+    msg, p = _toml_error(tmp_path, "[training]\nseed = 1\n[debug]\nseed = 2\n")
     assert "training.seed" in msg and "debug.seed" in msg
+    # the command line settles what the file leaves open only by setting the key itself: the file still conflicts
+    msg = _config_error(["--job.config_file", str(p), "--debug.seed", "3"])
+    assert str(p) in msg
+
+
+def test_help_lists_the_aliases():
+    text = help_text()
+    assert "Also accepted as --training.seed" in text
+    assert "Also accepted as --training.deterministic" in text
+    assert "Also accepted as --model.hf_assets_path" in text
 
 
 # --------------------------------------------------------------------------- unknown names
@@ -643,7 +675,6 @@ def _checked_keys_in_validate() -> set[str]:
 
 def test_every_validate_check_is_covered():
     covered = {key for _, key in INVALID_VALUES + NOT_AVAILABLE}
-    covered |= {"training.seed", "training.deterministic"}  # alias conflicts, tested above
     found = _checked_keys_in_validate()
     assert len(found) > 30, found  # the scan itself works
     missing = found - covered

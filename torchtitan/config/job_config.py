@@ -99,10 +99,6 @@ class Training:
     """Dtype of the gradient reduce-scatter / all-reduce: float32 | bfloat16"""
     gc_freq: int = 50
     """Run Python's garbage collector every gc_freq steps (automatic collection is disabled during training)"""
-    seed: int | None = None
-    """Alias of debug.seed (torchtitan moved it between sections; both spellings are accepted)"""
-    deterministic: bool | None = None
-    """Alias of debug.deterministic"""
 
 
 @dataclass

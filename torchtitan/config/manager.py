@@ -31,8 +31,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 # Old spellings users' TOML files contain -> where the value lives now.
+# Folded when each source is read, so the rest of the code only sees the real key.
 ALIASES: dict[tuple[str, str], tuple[str, str]] = {
     ("model", "hf_assets_path"): ("model", "tokenizer_path"),
+    # v0.2.2 keeps seed / deterministic under [debug]; later torchtitan files put them under [training].
+    ("training", "seed"): ("debug", "seed"),
+    ("training", "deterministic"): ("debug", "deterministic"),
 }
 
 
@@ -155,8 +159,37 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any) -> None:
     setattr(getattr(cfg, section), key, value)
 
 
-def load_toml(path: str, cfg: JobConfig) -> list[str]:
-    """Set the values of the TOML file `path` on `cfg`; returns the keys ("section.key") it set."""
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, int, float, str, list, type(None))) else repr(value)
+
+
+def _fold(entries: list[tuple[str, str, str, Any]], source: str) -> dict[tuple[str, str], Any]:
+    """One source's (spelling, section, key, value) entries -> (section, key) -> value, aliases folded.
+
+    The same spelling twice (command line) takes the last value; two spellings of one key in the same source
+    must agree, since neither can be said to come later. Across sources the later source wins (see parse_args).
+    """
+    spellings: dict[tuple[str, str], dict[str, Any]] = {}
+    for spelled, sec, k, value in entries:
+        spellings.setdefault((sec, k), {})[spelled] = value
+    folded = {}
+    for (sec, k), by_spelling in spellings.items():
+        (first, value), *others = by_spelling.items()
+        for other, other_value in others:
+            if other_value != value:
+                raise ConfigError(f"{source}: {first}={_show(value)} and {other}={_show(other_value)} both set "
+                                  f"{sec}.{k} (one is an alias of it): set only one")
+        folded[(sec, k)] = value
+    return folded
+
+
+def _label(spelled: str, sec: str, k: str) -> str:
+    """How messages name a key: as the user spelled it, with the key it stands for when that is an alias."""
+    return spelled if spelled == f"{sec}.{k}" else f"{spelled} (alias of {sec}.{k})"
+
+
+def load_toml(path: str) -> dict[tuple[str, str], Any]:
+    """The values of the TOML file `path`, checked for type, as (section, key) -> value with aliases folded."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"job.config_file: file not found: {path}")
@@ -164,15 +197,27 @@ def load_toml(path: str, cfg: JobConfig) -> list[str]:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    keys = []
+    entries = []
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
         for key, value in values.items():
             sec, k, tp = _resolve_key(section, key, f"{path}: ")
-            _set(cfg, sec, k, _coerce(value, tp, f"{path}: {sec}.{k}", from_cli=False))
-            keys.append(f"{sec}.{k}")
-    return keys
+            label = _label(f"{section}.{key}", sec, k)
+            entries.append((f"{section}.{key}", sec, k, _coerce(value, tp, f"{path}: {label}", from_cli=False)))
+    return _fold(entries, path)
+
+
+def _read_cli(argv: list[str]) -> dict[tuple[str, str], Any]:
+    """The command line's overrides, checked for type, as (section, key) -> value with aliases folded."""
+    entries = []
+    for name, value in _split_cli(argv):
+        if "." not in name:
+            raise ConfigError(f"--{name}: overrides are --section.key value (see --help)")
+        section, key = name.split(".", 1)
+        sec, k, tp = _resolve_key(section, key, f"--{name}: ")
+        entries.append((f"--{name}", sec, k, _coerce(value, tp, f"--{_label(name, sec, k)}", from_cli=True)))
+    return _fold(entries, "command line")
 
 
 def _named_by_file(err: ConfigError, files: dict[str, str]) -> ConfigError:
@@ -193,26 +238,29 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     return cfg
 
 
+def read_args(argv: list[str] | None = None) -> JobConfig:
+    """The JobConfig the TOML file and command line spell out, types checked but no value checked (for tests)."""
+    return _read(argv)[0]
+
+
 def _read(argv: list[str] | None) -> tuple[JobConfig, dict[str, str]]:
     """The config the sources spell out, unchecked, and key -> file for the values that came from the TOML file."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(help_text())
         raise SystemExit(0)
-    pairs = _split_cli(argv)
+    overrides = _read_cli(argv)
+    # Taken after folding, so the last --job.config_file wins as for every key; it is also the value the overrides
+    # below leave in job.config_file, i.e. job_config.json records the file loaded.
+    config_file = overrides.get(("job", "config_file"), "")
+    from_file = load_toml(config_file) if config_file else {}
     cfg = JobConfig()
-    overrides = []
-    for name, value in pairs:
-        if "." not in name:
-            raise ConfigError(f"--{name}: overrides are --section.key value (see --help)")
-        section, key = name.split(".", 1)
-        sec, k, tp = _resolve_key(section, key, f"--{name}: ")
-        overrides.append((sec, k, _coerce(value, tp, f"--{sec}.{k}", from_cli=True)))
-    # The last one wins, as for every key: it is also the value the overrides below leave in job.config_file.
-    config_file = next((v for s, k, v in reversed(overrides) if (s, k) == ("job", "config_file")), "")
-    files = dict.fromkeys(load_toml(config_file, cfg), config_file) if config_file else {}
-    for sec, k, v in overrides:
-        _set(cfg, sec, k, v)
+    files = {}
+    for (sec, k), value in from_file.items():
+        _set(cfg, sec, k, value)
+        files[f"{sec}.{k}"] = config_file
+    for (sec, k), value in overrides.items():
+        _set(cfg, sec, k, value)
         files.pop(f"{sec}.{k}", None)  # the command line's value is the one checked now
     return cfg, files
 
@@ -241,4 +289,7 @@ def help_text() -> str:
             default = json.dumps(getattr(defaults, sub.name))
             lines.append(f"  --{section}.{sub.name} ({tp}, default {default})")
             lines.append(f"      {docs.get(sub.name, '')}")
+            aliases = [f"--{a}.{b}" for (a, b), target in ALIASES.items() if target == (section, sub.name)]
+            if aliases:
+                lines.append(f"      Also accepted as {', '.join(aliases)}")
     return "\n".join(lines)

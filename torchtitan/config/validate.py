@@ -29,7 +29,6 @@ def _not_yet(key: str, what: str) -> None:
 
 
 def check_values(cfg: JobConfig) -> None:
-    _check_aliases(cfg)
     _check_model(cfg)
     _check_optimizer(cfg)
     _check_training(cfg)
@@ -39,20 +38,6 @@ def check_values(cfg: JobConfig) -> None:
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
-
-
-def _check_aliases(cfg: JobConfig) -> None:
-    # v0.2.2 keeps seed/deterministic under [debug]; later files put them under [training]. Accept both.
-    for name in ("seed", "deterministic"):
-        alias = getattr(cfg.training, name)
-        if alias is None:
-            continue
-        current = getattr(cfg.debug, name)
-        default = None if name == "seed" else False
-        if current != default and current != alias:
-            _err(f"training.{name}={alias} conflicts with debug.{name}={current}: set only one")
-        setattr(cfg.debug, name, alias)
-        setattr(cfg.training, name, None)
 
 
 def _check_model(cfg: JobConfig) -> None:
