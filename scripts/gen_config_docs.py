@@ -28,7 +28,9 @@ A run's configuration is the dataclass defaults, overridden by a TOML file (`--j
 command-line arguments. A key given twice on the command line takes the last value.
 `./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type or an
 invalid value stops the run before any process group is created, with one line naming the key and file.
-The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`.
+The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`: every
+value left to be derived (-1: `data_parallel_shard_degree`, `global_batch_size`, the validation batch and
+sequence length) appears as the number the run used (`torchtitan/config/resolve.py` derives them, once).
 
 Key names follow torchtitan v0.2.2's TOML schema where the concept is the same. Differences:
 - `training.dataset` defaults to `python_stdlib` (the embedded corpus), not `c4_test`.

@@ -21,13 +21,13 @@ from torchtitan.components.step import forward_backward_step
 from torchtitan.components.validate import Validator, validation_shape
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import parse_args, to_dict
+from torchtitan.config.manager import load_config, to_dict
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
-from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
@@ -243,9 +243,10 @@ def main(argv: list[str] | None = None) -> None:
     rank, _, world_size = dist_utils.env_world()
     try:
         # Everything that can be checked without a process group is checked here, before one exists.
-        cfg = parse_args(argv)
-        parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+        # load_config fills in every derived value (dp_shard, global batch, validation shape) in cfg itself, so
+        # the Trainer, the estimator and the saved job_config.json all see the numbers this run uses.
+        cfg, resolved = load_config(argv, world_size)
+        parallel_dims, grad_accum_steps = resolved.parallel_dims, resolved.grad_accum_steps
         if cfg.parallelism.enable_async_tensor_parallel and device_tools.device_type() != "cuda":
             raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA GPUs (symmetric memory); "
                               f"this machine runs on {device_tools.device_type()}")

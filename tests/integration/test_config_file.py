@@ -6,6 +6,7 @@ few seconds. Should a regression load the default TOML instead, --training.steps
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -52,3 +53,19 @@ def test_run_train_passes_exactly_one_config_file(tmp_path, tt_cache_dir, form):
                 "equals": ["--job.config_file=mine.toml"]}[form]
     assert given == expected, args
     assert ("default.toml" in args) == (form == "none"), args
+
+
+def test_job_config_json_records_the_file_loaded_and_resolved_numbers(tmp_path, tt_cache_dir):
+    # The run stops at the tokenizer (missing), right after rank 0 saved job_config.json: no model, no training.
+    other = tmp_path / "other.toml"
+    other.write_text(f'[model]\ntokenizer_path = "{tmp_path / "missing.json"}"\n'
+                     "[training]\nlocal_batch_size = 3\nseq_len = 64\n[validation]\nenable = true\n")
+    result = run_train(1, ["--job.config_file", str(other)], tmp_path / "out", tt_cache_dir, timeout=120)
+    assert result.returncode != 0 and "model.tokenizer_path" in result.output, result.output[-3000:]
+    saved = json.loads((tmp_path / "out" / "job_config.json").read_text())
+    assert saved["job"]["config_file"] == str(other)
+    assert saved["training"]["local_batch_size"] == 3  # from other.toml, not the default TOML's 4
+    # derived values are recorded as the numbers the run used, not -1
+    assert saved["parallelism"]["data_parallel_shard_degree"] == 1
+    assert saved["training"]["global_batch_size"] == 3
+    assert (saved["validation"]["local_batch_size"], saved["validation"]["seq_len"]) == (3, 64)

@@ -1,5 +1,8 @@
 """TOML + command line -> one validated JobConfig, before any process group exists.
 
+`load_config(argv, world_size)` is the entry point of a run: parse_args, then torchtitan/config/resolve.py fills
+in every derived value (-1 = derive) for the world size.
+
 Precedence: dataclass defaults < TOML file (`--job.config_file`) < `--section.key value` overrides. A key given
 twice on the command line takes the last value, `--job.config_file` included (the file loaded is the one recorded).
 Every problem is a `ConfigError` whose message is one line naming the key (and the file).
@@ -22,6 +25,7 @@ from typing import Any
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.resolve import Resolved, resolve
 from torchtitan.config.validate import check_values
 
 if sys.version_info >= (3, 11):
@@ -236,6 +240,19 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     except ConfigError as e:
         raise _named_by_file(e, files) from None
     return cfg
+
+
+def load_config(argv: list[str] | None, world_size: int) -> tuple[JobConfig, Resolved]:
+    """parse_args, then resolve for `world_size` processes: the config with every derived value filled in (what
+    the run uses and job_config.json records) and what the trainer needs beyond it. Errors name the TOML file
+    when the rejected value came from it."""
+    cfg, files = _read(argv)
+    try:
+        check_values(cfg)
+        resolved = resolve(cfg, world_size)
+    except ConfigError as e:
+        raise _named_by_file(e, files) from None
+    return cfg, resolved
 
 
 def read_args(argv: list[str] | None = None) -> JobConfig:

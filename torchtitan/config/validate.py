@@ -1,7 +1,10 @@
-"""Value checks on a parsed JobConfig; each failure is one line naming the key.
+"""Value checks on a JobConfig; each failure is one line naming the key.
 
-Checks that need the world size (degrees that must divide it) live in ParallelDims, which also runs before
-the process group is created.
+`check_values` checks what the sources spell out, each key on its own or against keys that are never derived
+(a -1 left to be derived passes as such). `check_resolved` checks what depends on derived values, after
+torchtitan/config/resolve.py filled them in; it reads resolved values only. Checks that need the world size
+(degrees that must divide it) live in ParallelDims, which resolve builds. All of it runs before any process
+group exists.
 """
 
 from __future__ import annotations
@@ -125,9 +128,6 @@ def _check_parallelism(cfg: JobConfig) -> None:
 
 
 def _check_tensor_parallel(cfg: JobConfig) -> None:
-    from torchtitan.distributed.tensor_parallel import tp_divisibility_errors
-    from torchtitan.models.registry import get_model_spec
-
     p = cfg.parallelism
     if p.enable_async_tensor_parallel:
         if p.tensor_parallel_degree == 1:
@@ -137,14 +137,26 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
                  "compile.components (inductor does the overlap)")
     if p.tensor_parallel_degree == 1:
         return
+    _check_tp_divides(cfg, {"training.seq_len": cfg.training.seq_len})
+
+
+def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
+    """The model's dimensions and the given sequence lengths must divide by the TP degree."""
+    from torchtitan.distributed.tensor_parallel import tp_divisibility_errors  # lazy: see _check_model
+    from torchtitan.models.registry import get_model_spec
+
+    tp = cfg.parallelism.tensor_parallel_degree
     model_args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
-    seq_lens = {"training.seq_len": cfg.training.seq_len}
-    if cfg.validation.enable and cfg.validation.seq_len != -1:
-        seq_lens["validation.seq_len"] = cfg.validation.seq_len
-    errors = tp_divisibility_errors(model_args, p.tensor_parallel_degree, seq_lens)
+    errors = tp_divisibility_errors(model_args, tp, seq_lens)
     if errors:
-        _err(f"parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with model "
-             f"{cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
+        _err(f"parallelism.tensor_parallel_degree={tp} with model {cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
+
+
+def check_resolved(cfg: JobConfig) -> None:
+    """Checks of derived values, on a config that torchtitan/config/resolve.py filled in."""
+    v = cfg.validation
+    if v.enable and cfg.parallelism.tensor_parallel_degree > 1:
+        _check_tp_divides(cfg, {"validation.seq_len": v.seq_len})
 
 
 def _check_unavailable(cfg: JobConfig) -> None:
