@@ -118,17 +118,17 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree (not available yet)"""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule name"""
+    """Pipeline schedule name (not available yet)"""
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline micro-batch"""
+    """Sequences per pipeline micro-batch (not available yet)"""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer blocks per pipeline stage (None = split evenly)"""
+    """Transformer blocks per pipeline stage (None = split evenly; not available yet)"""
     module_fqns_per_model_part: list[list[str]] | None = None
-    """Explicit module names for each pipeline model part"""
+    """Explicit module names for each pipeline model part (not available yet)"""
     context_parallel_degree: int = 1
     """Context-parallel degree (not available yet)"""
     context_parallel_rotate_method: str = "allgather"
-    """allgather | alltoall: how context-parallel attention exchanges K/V"""
+    """allgather | alltoall: how context-parallel attention exchanges K/V (not available yet)"""
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE models (not available yet)"""
     expert_tensor_parallel_degree: int = 1
