@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch training with torchrun.
 #   NGPU         processes per node (default: the GPU count, or 2 CPU processes where there is no GPU)
-#   CONFIG_FILE  TOML file (default train_configs/debug_model.toml)
+#   CONFIG_FILE  TOML file (default train_configs/debug_model.toml; a --job.config_file argument replaces it)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
 #   TORCHRUN_ARGS  replaces the single-node rendezvous arguments, e.g. for multi-node:
 #                "--nnodes 4 --node_rank 0 --rdzv_backend c10d --rdzv_endpoint host:29500"
@@ -19,6 +19,11 @@ if [ -z "${NGPU:-}" ]; then
     [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
+# The user's own --job.config_file replaces CONFIG_FILE: passing both would load one TOML and record the other.
+_config_args=(--job.config_file "$CONFIG_FILE")
+for _arg in "$@"; do
+    case "$_arg" in --job.config_file | --job.config_file=*) _config_args=() ;; esac
+done
 LOG_RANK=${LOG_RANK:-0}
 # CPU ranks share the cores: one OpenMP thread each avoids oversubscription (and fork deadlocks).
 if [ "$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))')" = "0" ]; then
@@ -29,4 +34,4 @@ read -r -a _rdzv <<< "${TORCHRUN_ARGS:---standalone}"
 
 exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" "${_rdzv[@]}" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"
+    -m torchtitan.train ${_config_args[@]+"${_config_args[@]}"} "$@"

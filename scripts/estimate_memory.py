@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.config.manager import ConfigError, parse_args  # noqa: E402
-from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.config.errors import ConfigError  # noqa: E402
+from torchtitan.config.manager import load_config  # noqa: E402
 from torchtitan.estimation.engine import estimate  # noqa: E402
 from torchtitan.estimation.report import (  # noqa: E402
     DEFAULT_GPU_RESERVE_GIB,
@@ -48,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     opts, config_args = parser.parse_known_args(argv)
     try:
-        cfg = parse_args(config_args)
         if opts.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {opts.world_size}")
         if not 0 <= opts.rank < opts.world_size:
             raise ConfigError(f"--rank {opts.rank} is outside the world of {opts.world_size} ranks")
-        parallel_dims = ParallelDims.from_config(cfg.parallelism, opts.world_size)
+        # Resolved as the trainer resolves it, so the layout and batch printed are the ones estimated.
+        cfg, resolved = load_config(config_args, opts.world_size)
+        parallel_dims = resolved.parallel_dims
         target = "cpu" if opts.device.lower() == "cpu" else "cuda"
         capacity = _host_memory_gib() if target == "cpu" and opts.memory_gib is None else \
             device_capacity_gib(opts.device, opts.memory_gib)
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     pd = parallel_dims
     layout = (f"dp_replicate {pd.dp_replicate} x dp_shard {pd.dp_shard} x tp {pd.tp}, "
               f"{cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x seq "
-              f"{cfg.training.seq_len}, AC {cfg.activation_checkpoint.mode}, {dtype}")
+              f"{cfg.training.seq_len} x {resolved.grad_accum_steps} accumulation steps, "
+              f"AC {cfg.activation_checkpoint.mode}, {dtype}")
     if opts.json:
         print(json.dumps(as_json(est, closed_form, capacity, reserve, opts.device, layout)))
     else:

@@ -24,17 +24,21 @@ INTRO = """# Configuration reference
 Generated from `torchtitan/config/job_config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.
 
 A run's configuration is the dataclass defaults, overridden by a TOML file (`--job.config_file`, which
-`run_train.sh` sets from `CONFIG_FILE`), overridden by `--section.key value` command-line arguments.
+`run_train.sh` sets from `CONFIG_FILE` unless the command line has its own), overridden by `--section.key value`
+command-line arguments. A key given twice on the command line takes the last value.
 `./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type or an
 invalid value stops the run before any process group is created, with one line naming the key and file.
-The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`.
+The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`: every
+value left to be derived (-1: `data_parallel_shard_degree`, `global_batch_size`, the validation batch and
+sequence length) appears as the number the run used (`torchtitan/config/resolve.py` derives them, once).
 
 Key names follow torchtitan v0.2.2's TOML schema where the concept is the same. Differences:
 - `training.dataset` defaults to `python_stdlib` (the embedded corpus), not `c4_test`.
 - The tokenizer is `model.tokenizer_path` (a `tokenizer.json` file or a folder with one); v0.2.2's
   `model.hf_assets_path` is accepted as an alias.
 - `seed` and `deterministic` live in `[debug]` as in v0.2.2; `training.seed` / `training.deterministic`
-  are accepted as aliases.
+  are accepted as aliases. An alias is the same key: the command line wins over the TOML whichever spelling
+  each uses, and two spellings in one source (both in the TOML, or both on the command line) must agree.
 - `activation_checkpoint.mode` defaults to `none` until activation checkpointing lands.
 - Options marked "not available yet" are parsed (so existing files load) but enabling them is an error.
 """
@@ -53,7 +57,11 @@ def render() -> str:
         lines.append("|---|---|---|---|")
         for f in dataclasses.fields(cls):
             default = json.dumps(getattr(defaults, f.name))
-            lines.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | `{default}` | {docs.get(f.name, '')} |")
+            meaning = docs.get(f.name, "")
+            aliases = [f"`{a}.{b}`" for (a, b), target in ALIASES.items() if target == (section, f.name)]
+            if aliases:
+                meaning += f" (also accepted as {', '.join(aliases)})"
+            lines.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | `{default}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -21,15 +21,16 @@ from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.components.step_guard import StepGuard, TrainingError
-from torchtitan.components.validate import Validator, validation_shape
+from torchtitan.components.validate import Validator
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import ConfigError, parse_args, to_dict
+from torchtitan.config.manager import load_config, to_dict
+from torchtitan.config.resolve import Resolved
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
-from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
 from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
@@ -41,9 +42,11 @@ COMM_TRACES = "comm_traces"
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, parallel_dims: ParallelDims, grad_accum_steps: int, device: torch.device):
-        """`device` and the default process group come from init_distributed (run() below); the parity tests
-        build several Trainers, one layout after another, inside one persistent group of processes."""
+    def __init__(self, cfg: JobConfig, resolved: Resolved, device: torch.device):
+        """`cfg` and `resolved` come from load_config, `device` and the default process group from
+        init_distributed (run() below); the parity tests build several Trainers, one layout after another, inside
+        one persistent group of processes."""
+        parallel_dims, grad_accum_steps = resolved.parallel_dims, resolved.grad_accum_steps
         self.cfg, self.parallel_dims, self.grad_accum_steps = cfg, parallel_dims, grad_accum_steps
         self.rank = dist_utils.env_world()[0]
         self.device = device
@@ -57,7 +60,7 @@ class Trainer:
 
         # Tokenizer and data are checked before the model is built: a bad path fails in seconds.
         spec = get_model_spec(cfg.model.name)
-        max_seq_len = max(cfg.training.seq_len, validation_shape(cfg)[1] if cfg.validation.enable else 0)
+        max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
         model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=max_seq_len)
         tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir(), model_args.vocab_size)
         if tokenizer.vocab_size > model_args.vocab_size:
@@ -286,9 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     rank, _, world_size = dist_utils.env_world()
     try:
         # Everything that can be checked without a process group is checked here, before one exists.
-        cfg = parse_args(argv)
-        parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+        # load_config fills in every derived value (dp_shard, global batch, validation shape) in cfg itself, so
+        # the Trainer, the estimator and the saved job_config.json all see the numbers this run uses.
+        cfg, resolved = load_config(argv, world_size)
         if cfg.parallelism.enable_async_tensor_parallel and device_tools.device_type() != "cuda":
             raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA GPUs (symmetric memory); "
                               f"this machine runs on {device_tools.device_type()}")
@@ -303,16 +306,16 @@ def main(argv: list[str] | None = None) -> None:
         dist_utils.exit_process(2)
     if cfg.memory_estimation.enable:
         _estimate_and_exit(cfg, rank, world_size)
-    dist_utils.exit_process(run(cfg, parallel_dims, grad_accum_steps))
+    dist_utils.exit_process(run(cfg, resolved))
 
 
-def run(cfg: JobConfig, parallel_dims: ParallelDims, grad_accum_steps: int) -> int:
+def run(cfg: JobConfig, resolved: Resolved) -> int:
     """Create the process group, set up, train, close. Returns the exit code: 0 done, 1 failed, 2 bad setup."""
     rank = dist_utils.env_world()[0]
     try:
         device = dist_utils.init_distributed(cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size,
                                              Path(cfg.job.dump_folder) / COMM_TRACES)
-        trainer = Trainer(cfg, parallel_dims, grad_accum_steps, device)
+        trainer = Trainer(cfg, resolved, device)
     except (ValueError, FileNotFoundError) as e:
         # Setup errors (tokenizer, data, vocab, checkpoint folder) name their key or file: one line, no traceback.
         print(f"[rank{rank}] error: {e}", file=sys.stderr)

@@ -43,21 +43,19 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
     (and rank 0 the metrics logged until then) instead of raising, so the pool stays usable.
     """
     from torchtitan.components.step_guard import TrainingError
-    from torchtitan.config.manager import parse_args
-    from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+    from torchtitan.config.manager import load_config
     from torchtitan.distributed.utils import env_world
     from torchtitan.train import Trainer
 
     rank, _, world = env_world()
-    cfg = parse_args([*argv, "--job.dump_folder", dump_folder])
-    parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
-    _, grad_accum_steps = resolve_batch(cfg.training, parallel_dims.dp_degree)
+    cfg, resolved = load_config([*argv, "--job.dump_folder", dump_folder], world)
+    parallel_dims = resolved.parallel_dims
     params: list[dict[str, list[float]]] = []
     # The layout's process groups stay alive after it: DTensor caches sharding decisions per (equal) mesh, so a
     # later layout with an equal mesh reuses the groups an earlier one created (same ranks, same meaning), and
     # destroying them would leave those cache entries pointing at dead groups.
     try:
-        trainer = Trainer(cfg, parallel_dims, grad_accum_steps, torch.device("cpu"))
+        trainer = Trainer(cfg, resolved, torch.device("cpu"))
     except ValueError as e:
         if expect == "setup_error":
             return {"error": str(e)}

@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from torchtitan.data import datasets, hf_sources
-from torchtitan.data.datasets import DocumentSource, build_document_source, corpus_fingerprint
+from torchtitan.data.datasets import build_document_source, corpus_fingerprint
+from torchtitan.data.source import DocumentSource
 
 DOCS = [f"doc {i}: " + "héllo wörld 🦙 " * (i % 5 + 1) + "\n\nsecond paragraph" * (i % 2) for i in range(23)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,8 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.forked import in_child, run_ranks
 from torchtitan.components.optimizer import build_optimizer
-from torchtitan.config.manager import parse_args
-from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.config.manager import load_config, parse_args
 from torchtitan.estimation.engine import CATEGORIES, build_parallel_model, estimate, estimate_rank, run_steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,10 +46,10 @@ def _allocator_peak(prof) -> int:
 
 
 def _measure(rank: int, args: list[str], world: int) -> int:
-    cfg = parse_args(args)
-    parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
+    cfg, resolved = load_config(args, world)
+    accum = resolved.grad_accum_steps
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, model_args, loss_parallel, accum = build_parallel_model(cfg, parallel_dims, "cpu")
+        model, model_args, loss_parallel = build_parallel_model(cfg, resolved.parallel_dims, "cpu")
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))

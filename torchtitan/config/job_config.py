@@ -103,10 +103,6 @@ class Training:
     """Use TF32 tensor cores for fp32 matmuls/convs on NVIDIA GPUs (false = full fp32); MFU uses the matching peak"""
     gc_freq: int = 50
     """Run Python's garbage collector every gc_freq steps (automatic collection is disabled during training)"""
-    seed: int | None = None
-    """Alias of debug.seed (torchtitan moved it between sections; both spellings are accepted)"""
-    deterministic: bool | None = None
-    """Alias of debug.deterministic"""
 
 
 @dataclass
@@ -126,17 +122,17 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel degree (not available yet)"""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule name"""
+    """Pipeline schedule name (not available yet)"""
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline micro-batch"""
+    """Sequences per pipeline micro-batch (not available yet)"""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer blocks per pipeline stage (None = split evenly)"""
+    """Transformer blocks per pipeline stage (None = split evenly; not available yet)"""
     module_fqns_per_model_part: list[list[str]] | None = None
-    """Explicit module names for each pipeline model part"""
+    """Explicit module names for each pipeline model part (not available yet)"""
     context_parallel_degree: int = 1
     """Context-parallel degree (not available yet)"""
     context_parallel_rotate_method: str = "allgather"
-    """allgather | alltoall: how context-parallel attention exchanges K/V"""
+    """allgather | alltoall: how context-parallel attention exchanges K/V (not available yet)"""
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE models (not available yet)"""
     expert_tensor_parallel_degree: int = 1

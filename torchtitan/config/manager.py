@@ -1,6 +1,10 @@
 """TOML + command line -> one validated JobConfig, before any process group exists.
 
-Precedence: dataclass defaults < TOML file (`--job.config_file`) < `--section.key value` overrides.
+`load_config(argv, world_size)` is the entry point of a run: parse_args, then torchtitan/config/resolve.py fills
+in every derived value (-1 = derive) for the world size.
+
+Precedence: dataclass defaults < TOML file (`--job.config_file`) < `--section.key value` overrides. A key given
+twice on the command line takes the last value, `--job.config_file` included (the file loaded is the one recorded).
 Every problem is a `ConfigError` whose message is one line naming the key (and the file).
 """
 
@@ -11,6 +15,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import re
 import sys
 import textwrap
 import types
@@ -18,7 +23,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.resolve import Resolved, resolve
+from torchtitan.config.validate import check_values
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,13 +34,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A bad configuration; the message is one line that names the key and, if any, the file."""
-
-
 # Old spellings users' TOML files contain -> where the value lives now.
+# Folded when each source is read, so the rest of the code only sees the real key.
 ALIASES: dict[tuple[str, str], tuple[str, str]] = {
     ("model", "hf_assets_path"): ("model", "tokenizer_path"),
+    # v0.2.2 keeps seed / deterministic under [debug]; later torchtitan files put them under [training].
+    ("training", "seed"): ("debug", "seed"),
+    ("training", "deterministic"): ("debug", "deterministic"),
 }
 
 
@@ -155,7 +163,37 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any) -> None:
     setattr(getattr(cfg, section), key, value)
 
 
-def load_toml(path: str, cfg: JobConfig) -> None:
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, int, float, str, list, type(None))) else repr(value)
+
+
+def _fold(entries: list[tuple[str, str, str, Any]], source: str) -> dict[tuple[str, str], Any]:
+    """One source's (spelling, section, key, value) entries -> (section, key) -> value, aliases folded.
+
+    The same spelling twice (command line) takes the last value; two spellings of one key in the same source
+    must agree, since neither can be said to come later. Across sources the later source wins (see parse_args).
+    """
+    spellings: dict[tuple[str, str], dict[str, Any]] = {}
+    for spelled, sec, k, value in entries:
+        spellings.setdefault((sec, k), {})[spelled] = value
+    folded = {}
+    for (sec, k), by_spelling in spellings.items():
+        (first, value), *others = by_spelling.items()
+        for other, other_value in others:
+            if other_value != value:
+                raise ConfigError(f"{source}: {first}={_show(value)} and {other}={_show(other_value)} both set "
+                                  f"{sec}.{k} (one is an alias of it): set only one")
+        folded[(sec, k)] = value
+    return folded
+
+
+def _label(spelled: str, sec: str, k: str) -> str:
+    """How messages name a key: as the user spelled it, with the key it stands for when that is an alias."""
+    return spelled if spelled == f"{sec}.{k}" else f"{spelled} (alias of {sec}.{k})"
+
+
+def load_toml(path: str) -> dict[tuple[str, str], Any]:
+    """The values of the TOML file `path`, checked for type, as (section, key) -> value with aliases folded."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"job.config_file: file not found: {path}")
@@ -163,38 +201,85 @@ def load_toml(path: str, cfg: JobConfig) -> None:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    entries = []
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
         for key, value in values.items():
             sec, k, tp = _resolve_key(section, key, f"{path}: ")
-            _set(cfg, sec, k, _coerce(value, tp, f"{path}: {sec}.{k}", from_cli=False))
+            label = _label(f"{section}.{key}", sec, k)
+            entries.append((f"{section}.{key}", sec, k, _coerce(value, tp, f"{path}: {label}", from_cli=False)))
+    return _fold(entries, path)
 
 
-def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build the JobConfig from defaults, the TOML file and command-line overrides, then check values."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        raise SystemExit(0)
-    pairs = _split_cli(argv)
-    cfg = JobConfig()
-    overrides = []
-    for name, value in pairs:
+def _read_cli(argv: list[str]) -> dict[tuple[str, str], Any]:
+    """The command line's overrides, checked for type, as (section, key) -> value with aliases folded."""
+    entries = []
+    for name, value in _split_cli(argv):
         if "." not in name:
             raise ConfigError(f"--{name}: overrides are --section.key value (see --help)")
         section, key = name.split(".", 1)
         sec, k, tp = _resolve_key(section, key, f"--{name}: ")
-        overrides.append((sec, k, _coerce(value, tp, f"--{sec}.{k}", from_cli=True)))
-    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), "")
-    if config_file:
-        load_toml(config_file, cfg)
-    for sec, k, v in overrides:
-        _set(cfg, sec, k, v)
-    from torchtitan.config.validate import check_values
+        entries.append((f"--{name}", sec, k, _coerce(value, tp, f"--{_label(name, sec, k)}", from_cli=True)))
+    return _fold(entries, "command line")
 
-    check_values(cfg)
+
+def _named_by_file(err: ConfigError, files: dict[str, str]) -> ConfigError:
+    """A check's message starts with the key it rejects: put the file in front when the value came from one."""
+    match = re.match(r"[a-z_]+\.[a-z0-9_]+", str(err))
+    if match is None or match.group(0) not in files:
+        return err
+    return ConfigError(f"{files[match.group(0)]}: {err}")
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from defaults, the TOML file and command-line overrides, then check values."""
+    cfg, files = _read(argv)
+    try:
+        check_values(cfg)
+    except ConfigError as e:
+        raise _named_by_file(e, files) from None
     return cfg
+
+
+def load_config(argv: list[str] | None, world_size: int) -> tuple[JobConfig, Resolved]:
+    """parse_args, then resolve for `world_size` processes: the config with every derived value filled in (what
+    the run uses and job_config.json records) and what the trainer needs beyond it. Errors name the TOML file
+    when the rejected value came from it."""
+    cfg, files = _read(argv)
+    try:
+        check_values(cfg)
+        resolved = resolve(cfg, world_size)
+    except ConfigError as e:
+        raise _named_by_file(e, files) from None
+    return cfg, resolved
+
+
+def read_args(argv: list[str] | None = None) -> JobConfig:
+    """The JobConfig the TOML file and command line spell out, types checked but no value checked (for tests)."""
+    return _read(argv)[0]
+
+
+def _read(argv: list[str] | None) -> tuple[JobConfig, dict[str, str]]:
+    """The config the sources spell out, unchecked, and key -> file for the values that came from the TOML file."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        raise SystemExit(0)
+    overrides = _read_cli(argv)
+    # Taken after folding, so the last --job.config_file wins as for every key; it is also the value the overrides
+    # below leave in job.config_file, i.e. job_config.json records the file loaded.
+    config_file = overrides.get(("job", "config_file"), "")
+    from_file = load_toml(config_file) if config_file else {}
+    cfg = JobConfig()
+    files = {}
+    for (sec, k), value in from_file.items():
+        _set(cfg, sec, k, value)
+        files[f"{sec}.{k}"] = config_file
+    for (sec, k), value in overrides.items():
+        _set(cfg, sec, k, value)
+        files.pop(f"{sec}.{k}", None)  # the command line's value is the one checked now
+    return cfg, files
 
 
 def to_dict(cfg: JobConfig) -> dict[str, Any]:
@@ -209,7 +294,8 @@ def help_text() -> str:
     lines = [
         "usage: run_train.sh [--section.key value ...]",
         "",
-        "Defaults < TOML file (--job.config_file) < command-line overrides. Sections and keys:",
+        "Defaults < TOML file (--job.config_file) < command-line overrides; a key given twice on the command line",
+        "takes the last value. Sections and keys:",
     ]
     for section, cls in section_classes().items():
         docs = field_docs(cls)
@@ -220,4 +306,7 @@ def help_text() -> str:
             default = json.dumps(getattr(defaults, sub.name))
             lines.append(f"  --{section}.{sub.name} ({tp}, default {default})")
             lines.append(f"      {docs.get(sub.name, '')}")
+            aliases = [f"--{a}.{b}" for (a, b), target in ALIASES.items() if target == (section, sub.name)]
+            if aliases:
+                lines.append(f"      Also accepted as {', '.join(aliases)}")
     return "\n".join(lines)

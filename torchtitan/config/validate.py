@@ -1,19 +1,21 @@
-"""Value checks on a parsed JobConfig; each failure is one line naming the key.
+"""Value checks on a JobConfig; each failure is one line naming the key.
 
-Checks that need the world size (degrees that must divide it) live in ParallelDims, which also runs before
-the process group is created.
+`check_values` checks what the sources spell out, each key on its own or against keys that are never derived
+(a -1 left to be derived passes as such). `check_resolved` checks what depends on derived values, after
+torchtitan/config/resolve.py filled them in; it reads resolved values only. Checks that need the world size
+(degrees that must divide it) live in ParallelDims, which resolve builds. All of it runs before any process
+group exists.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 
 
 def _err(msg: str) -> None:
-    from torchtitan.config.manager import ConfigError
-
     raise ConfigError(msg)
 
 
@@ -31,13 +33,42 @@ def _not_yet(key: str, what: str) -> None:
     _err(f"{key}: {what} is not available yet in this version of torchtitan")
 
 
+# Keys of features still to come -> the feature. They parse, so existing TOML files load, but any value other than
+# the default is an error, whether or not the feature's degree is on: a key that is accepted and then read by
+# nothing would run something other than what the file asks for. tests/unit/test_config_keys_used.py holds every
+# key to this: read by the code, or refused here.
+NOT_YET: dict[str, str] = {
+    "parallelism.pipeline_parallel_degree": "pipeline parallel",
+    "parallelism.pipeline_parallel_schedule": "pipeline parallel",
+    "parallelism.pipeline_parallel_microbatch_size": "pipeline parallel",
+    "parallelism.pipeline_parallel_layers_per_stage": "pipeline parallel",
+    "parallelism.module_fqns_per_model_part": "pipeline parallel",
+    "parallelism.context_parallel_degree": "context parallel",
+    "parallelism.context_parallel_rotate_method": "context parallel",
+    "parallelism.expert_parallel_degree": "expert parallel",
+    "parallelism.expert_tensor_parallel_degree": "expert tensor parallel",
+    "model.converters": "model converters",
+    "optimizer.early_step_in_backward": "stepping in backward",
+    "training.enable_cpu_offload": "CPU offload",
+    "memory_estimation.disable_fake_mode": "estimating with real tensors",
+}
+
+
+def _check_not_yet(cfg: JobConfig) -> None:
+    defaults = JobConfig()
+    for key, feature in NOT_YET.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != getattr(getattr(defaults, section), name):
+            _not_yet(key, feature)
+
+
 def check_values(cfg: JobConfig) -> None:
-    _check_aliases(cfg)
     _check_model(cfg)
     _check_optimizer(cfg)
     _check_training(cfg)
     _check_parallelism(cfg)
     _check_unavailable(cfg)
+    _check_not_yet(cfg)  # after the range checks: a degree of 0 is invalid, not a feature still to come
     _check_checkpoint(cfg)
     _check_profiling(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
@@ -45,21 +76,8 @@ def check_values(cfg: JobConfig) -> None:
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
 
 
-def _check_aliases(cfg: JobConfig) -> None:
-    # v0.2.2 keeps seed/deterministic under [debug]; later files put them under [training]. Accept both.
-    for name in ("seed", "deterministic"):
-        alias = getattr(cfg.training, name)
-        if alias is None:
-            continue
-        current = getattr(cfg.debug, name)
-        default = None if name == "seed" else False
-        if current != default and current != alias:
-            _err(f"training.{name}={alias} conflicts with debug.{name}={current}: set only one")
-        setattr(cfg.debug, name, alias)
-        setattr(cfg.training, name, None)
-
-
 def _check_model(cfg: JobConfig) -> None:
+    # Imported here, not at the top: they pull in torch, which `--help` and scripts/gen_config_docs.py never need.
     from torchtitan.models.registry import get_model_spec
 
     try:
@@ -132,21 +150,10 @@ def _check_parallelism(cfg: JobConfig) -> None:
     ):
         if getattr(p, key) < 1:
             _err(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
-    for key, what in (
-        ("pipeline_parallel_degree", "pipeline parallel"),
-        ("context_parallel_degree", "context parallel"),
-        ("expert_parallel_degree", "expert parallel"),
-        ("expert_tensor_parallel_degree", "expert tensor parallel"),
-    ):
-        if getattr(p, key) > 1:
-            _not_yet(f"parallelism.{key}", what)
     _check_tensor_parallel(cfg)
 
 
 def _check_tensor_parallel(cfg: JobConfig) -> None:
-    from torchtitan.distributed.tensor_parallel import tp_divisibility_errors
-    from torchtitan.models.registry import get_model_spec
-
     p = cfg.parallelism
     if p.enable_async_tensor_parallel:
         if p.tensor_parallel_degree == 1:
@@ -156,23 +163,29 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
                  "compile.components (inductor does the overlap)")
     if p.tensor_parallel_degree == 1:
         return
+    _check_tp_divides(cfg, {"training.seq_len": cfg.training.seq_len})
+
+
+def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
+    """The model's dimensions and the given sequence lengths must divide by the TP degree."""
+    from torchtitan.distributed.tensor_parallel import tp_divisibility_errors  # lazy: see _check_model
+    from torchtitan.models.registry import get_model_spec
+
+    tp = cfg.parallelism.tensor_parallel_degree
     model_args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
-    seq_lens = {"training.seq_len": cfg.training.seq_len}
-    if cfg.validation.enable and cfg.validation.seq_len != -1:
-        seq_lens["validation.seq_len"] = cfg.validation.seq_len
-    errors = tp_divisibility_errors(model_args, p.tensor_parallel_degree, seq_lens)
+    errors = tp_divisibility_errors(model_args, tp, seq_lens)
     if errors:
-        _err(f"parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with model "
-             f"{cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
+        _err(f"parallelism.tensor_parallel_degree={tp} with model {cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
+
+
+def check_resolved(cfg: JobConfig) -> None:
+    """Checks of derived values, on a config that torchtitan/config/resolve.py filled in."""
+    v = cfg.validation
+    if v.enable and cfg.parallelism.tensor_parallel_degree > 1:
+        _check_tp_divides(cfg, {"validation.seq_len": v.seq_len})
 
 
 def _check_unavailable(cfg: JobConfig) -> None:
-    if cfg.model.converters:
-        _not_yet("model.converters", f"model converters ({', '.join(cfg.model.converters)})")
-    if cfg.optimizer.early_step_in_backward:
-        _not_yet("optimizer.early_step_in_backward", "stepping in backward")
-    if cfg.training.enable_cpu_offload:
-        _not_yet("training.enable_cpu_offload", "CPU offload")
     _one_of("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "selective", "full"))
     opt = cfg.activation_checkpoint.selective_ac_option
     if cfg.activation_checkpoint.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
@@ -180,8 +193,6 @@ def _check_unavailable(cfg: JobConfig) -> None:
     unknown = set(cfg.compile.components) - {"model", "loss"}
     if unknown:
         _err(f"compile.components: unknown entries {sorted(unknown)}; known: model, loss")
-    if cfg.memory_estimation.disable_fake_mode:
-        _not_yet("memory_estimation.disable_fake_mode", "estimating with real tensors")
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:

@@ -40,7 +40,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
-    from torchtitan.data.datasets import DocumentSource
+    from torchtitan.data.source import DocumentSource
     from torchtitan.data.tokenizer import Tokenizer
 
 __all__ = ["STATE_KEYS", "PackedDataLoader", "build_dataloader"]

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan.tools.logging import logger
+from torchtitan.data import hf_sources
+from torchtitan.data.source import DocumentSource
 
-__all__ = ["DATASETS", "DocumentSource", "HubDataset", "build_document_source", "corpus_fingerprint"]
+__all__ = ["DATASETS", "HubDataset", "build_document_source", "corpus_fingerprint"]
 
 # Directory names pruned anywhere under the stdlib root. Test suites are excluded because they are
 # full of deliberately odd code (bad encodings, syntax-error fixtures, huge generated literals) and
@@ -45,7 +46,6 @@ _SHUFFLE_SEED = 20240917
 # 1 in 50 documents (2%) is held out for validation, chosen by a hash of its key, so a document's
 # split never depends on which other files this Python ships.
 _HELD_OUT_ONE_IN = 50
-_SKIP_LOG_EVERY = 100_000
 
 
 @dataclass(frozen=True)
@@ -106,44 +106,6 @@ def _stdlib_split(held_out: bool) -> tuple[_Source, ...]:
     return tuple(s for s in _stdlib_sources() if _is_held_out(s.key) == held_out)
 
 
-class DocumentSource:
-    """A deterministic sequence of raw records; `iter_documents` yields the usable ones with their index."""
-
-    def __init__(self, name: str, key_prefix: str, num_documents: int | None) -> None:
-        self.name = name  # for messages: the registry name or the dataset_path
-        self.key_prefix = key_prefix
-        self.num_documents = num_documents  # raw records, bad ones included; None when unknown
-        self.skipped_documents = 0  # bad records met so far in the current (or last) pass
-        self._reported = False
-
-    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
-        """(raw_index, text) for every usable record from raw index `start` on, in the fixed order."""
-        if start < 0:
-            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
-        self.skipped_documents = 0
-        for index, value in self._iter_raw(start):
-            # isspace() instead of strip(): no copy of a possibly huge document.
-            if isinstance(value, str) and value and not value.isspace():
-                yield index, value
-                continue
-            self.skipped_documents += 1
-            if self.skipped_documents % _SKIP_LOG_EVERY == 0:
-                logger.info(f"{self._label()}: skipped {self.skipped_documents} records so far (at {index})")
-        if self.skipped_documents and not self._reported:
-            self._reported = True  # once per process, not every epoch
-            logger.info(f"{self._label()}: skipped {self.skipped_documents} empty or non-text records "
-                        f"(of records {start} onwards); their indexes stay reserved")  # fmt: skip
-
-    def _label(self) -> str:
-        return f"{self.key_prefix}.dataset '{self.name}'"
-
-    def _iter_raw(self, start: int) -> Iterator[tuple[int, Any]]:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, num_documents={self.num_documents})"
-
-
 class _StdlibSource(DocumentSource):
     def __init__(self, name: str, key_prefix: str, sources: tuple[_Source, ...]) -> None:
         super().__init__(name, key_prefix, len(sources))
@@ -192,8 +154,6 @@ def build_document_source(
     file, folder or glob, or a hub name ("owner/name[:config]"), and `dataset` only labels messages.
     text_column applies to dataset_path data; registry entries know their own column.
     """
-    from torchtitan.data import hf_sources  # here, not at the top: it imports DocumentSource from us
-
     p = key_prefix
     mode = str(streaming).strip().lower()
     if mode not in ("auto", "true", "false"):

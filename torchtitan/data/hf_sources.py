@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torchtitan.data.datasets import DocumentSource
+from torchtitan.data.source import DocumentSource
 from torchtitan.tools.logging import logger
 
 __all__ = ["build_hub_source", "build_path_source"]

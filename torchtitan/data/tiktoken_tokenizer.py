@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from torchtitan.data.tokenizer import BaseTokenizer
+from torchtitan.data.tokenizer_base import BaseTokenizer
 from torchtitan.tools.logging import logger
 
 __all__ = ["LLAMA3_PATTERN", "NUM_SPECIAL_TOKENS", "TIKTOKEN_SUFFIXES", "TikTokenTokenizer", "llama3_special_tokens"]

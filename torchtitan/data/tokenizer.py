@@ -15,7 +15,6 @@ import json
 import os
 import tempfile
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -23,10 +22,12 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from torchtitan.data.datasets import build_document_source, corpus_fingerprint
+from torchtitan.data.tiktoken_tokenizer import TIKTOKEN_SUFFIXES, TikTokenTokenizer
+from torchtitan.data.tokenizer_base import BaseTokenizer
 from torchtitan.tools.logging import logger
 
 __all__ = [
-    "BOS_TOKEN", "EOS_TOKEN", "DEFAULT_VOCAB_SIZE", "BaseTokenizer", "Tokenizer", "build_tokenizer",
+    "BOS_TOKEN", "EOS_TOKEN", "DEFAULT_VOCAB_SIZE", "Tokenizer", "build_tokenizer",
     "default_cache_dir",
 ]  # fmt: skip
 
@@ -56,43 +57,6 @@ def _first_line(err: BaseException) -> str:
     # Errors from the Rust side can span lines; keep our messages to one.
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-class BaseTokenizer(ABC):
-    """What the data pipeline needs: ids for text, text for ids, and the document-boundary tokens.
-
-    vocab_size covers every id the tokenizer can emit (the model's embedding must be at least that
-    big). Subclasses set path, vocab_size, bos_id and eos_id, and must pickle (dataloader workers
-    each get a copy). Text that merely spells a special token is encoded as plain text: only the
-    data pipeline inserts BOS/EOS, so documents cannot forge their own boundaries.
-    """
-
-    path: Path | str
-    vocab_size: int
-    bos_id: int
-    eos_id: int
-
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        ids = self._encode_text(text)
-        if add_bos:
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
-
-    @abstractmethod
-    def _encode_text(self, text: str) -> list[int]:
-        """The ids of `text`, no BOS/EOS added, special-token spellings treated as text."""
-
-    @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids`; special tokens appear as their names, so packed data shows boundaries."""
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(path={str(self.path)!r}, vocab_size={self.vocab_size}, "
-            f"bos_id={self.bos_id}, eos_id={self.eos_id})"
-        )
 
 
 class Tokenizer(BaseTokenizer):
@@ -265,8 +229,6 @@ def build_tokenizer(tokenizer_path: str, cache_dir: str | os.PathLike, model_voc
             raise ValueError(f"model.tokenizer_path: the default byte-level BPE needs at least {_MIN_VOCAB_SIZE} "
                              f"tokens, the model has {vocab_size}: give a tokenizer that fits")
         return _build_default(Path(cache_dir).expanduser(), vocab_size)
-    from torchtitan.data.tiktoken_tokenizer import TIKTOKEN_SUFFIXES, TikTokenTokenizer
-
     if "://" in tokenizer_path:  # remote: read through blobfile, tiktoken files only
         if tokenizer_path.endswith(TIKTOKEN_SUFFIXES):
             return TikTokenTokenizer(tokenizer_path)

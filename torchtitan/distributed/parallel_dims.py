@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan.config.job_config import Parallelism, Training
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Parallelism
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _err(msg: str) -> None:
-    from torchtitan.config.manager import ConfigError
-
     raise ConfigError(msg)
 
 
@@ -182,15 +181,3 @@ class ParallelDims:
             return self.world_mesh["dp_replicate", "dp_shard_cp"]
         return self._views["dp_shard_cp"]
 
-
-def resolve_batch(training: Training, dp_degree: int) -> tuple[int, int]:
-    """(global batch in sequences, gradient-accumulation steps) from training.*_batch_size and the DP degree."""
-    per_microstep = training.local_batch_size * dp_degree
-    if training.global_batch_size == -1:
-        return per_microstep, 1
-    if training.global_batch_size % per_microstep != 0:
-        _err(
-            f"training.global_batch_size={training.global_batch_size} must be a multiple of "
-            f"training.local_batch_size x data-parallel degree = {training.local_batch_size} x {dp_degree}"
-        )
-    return training.global_batch_size, training.global_batch_size // per_microstep

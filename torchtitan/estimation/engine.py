@@ -23,7 +23,8 @@ from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims, resolve_batch
+from torchtitan.config.resolve import resolve
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
@@ -94,7 +95,7 @@ def _storage_ids(tensors) -> set[int]:
 def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str, n_layers: int | None = None):
     """The trainer's model on `meta`, parallelized as in training, for the current (fake or real) process group.
 
-    Returns (model, model_args, loss_parallel, gradient-accumulation steps)."""
+    Returns (model, model_args, loss_parallel)."""
     parallel_dims.build_mesh("cpu")
     # Compile changes kernels, not what is allocated at the step level; estimate the eager program.
     cfg = copy.deepcopy(cfg)
@@ -110,25 +111,28 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
     # 'Memory estimation reuses the trainer').
     model = spec.parallelize_fn(model, parallel_dims, cfg, _param_dtype(cfg, device_type))
     loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
-    _, grad_accum = resolve_batch(cfg.training, parallel_dims.dp_degree)
-    return model, model_args, loss_parallel, grad_accum
+    return model, model_args, loss_parallel
 
 
 def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",
                   steps: int = 1, n_layers: int | None = None) -> Estimate:
-    """Peak memory of `rank` in a job of `world_size` processes; `device_type` is the target (cuda or cpu)."""
+    """Peak memory of `rank` in a job of `world_size` processes; `device_type` is the target (cuda or cpu).
+
+    `cfg` is resolved for `world_size` as the trainer resolves it (torchtitan/config/resolve.py), on a copy: the
+    caller's config may be estimated for other world sizes too."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
-    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    cfg = copy.deepcopy(cfg)
+    resolved = resolve(cfg, world_size)
+    parallel_dims, grad_accum = resolved.parallel_dims, resolved.grad_accum_steps
     if dist.is_initialized():
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         spec = get_model_spec(cfg.model.name)
         with _ddp_stand_in(spec.parallelize_fn) if parallel_dims.ddp_enabled else nullcontext():
-            model, model_args, loss_parallel, grad_accum = build_parallel_model(cfg, parallel_dims, device_type,
-                                                                                n_layers)
+            model, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers)
         # As in the trainer: DDP has no mixed-precision policy, bf16 comes from autocast.
         use_autocast = parallel_dims.ddp_enabled and _param_dtype(cfg, device_type) == "bfloat16"
         autocast = torch.autocast("cpu", torch.bfloat16) if use_autocast else nullcontext()
