@@ -14,7 +14,6 @@ import torch.distributed.checkpoint as dcp
 
 from tests.unit.test_checkpoint import ARGS, Run, assert_same, read_all
 from torchtitan.components import checkpoint_io as cio
-from torchtitan.components.checkpoint_io import CheckpointError
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState, checkpoint_step_folders
 from torchtitan.components.hf_io import load_hf
 from torchtitan.config.job_config import Checkpoint
