@@ -1,0 +1,122 @@
+"""Gradient norm accuracy, DDP's reduction dtype and gradient sync, training timeouts, the flight recorder's
+environment and the preemption watchdog."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from tests.unit.forked import run_ranks
+from torchtitan.distributed.utils import flight_recorder_env, total_grad_norm
+
+
+def _grad_of(shape, seed: int) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return p
+
+
+def test_grad_norm_is_exact_where_float32_summation_is_not():
+    """Regression: the CPU float32 norm of an 8192 x 256 gradient came out ~1e-4 relative off (one long
+    sequential sum); every layout then logged, and clipped by, a slightly different norm."""
+    params = [_grad_of((8192, 256), 0), _grad_of((256,), 1)]
+    exact = torch.sqrt(sum(p.grad.double().square().sum() for p in params)).item()
+    assert abs(total_grad_norm(params).item() - exact) <= 1e-12 * exact
+    float32 = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True).item()
+    assert abs(float32 - exact) > 1e-6 * exact, "the float32 reference no longer shows the error this guards"
+
+
+def _sharded_norm(rank: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    params = []
+    for full, placement in ((_grad_of((8192, 256), 0).grad, Shard(0)), (_grad_of((256,), 1).grad, Replicate())):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, [placement]))
+        p.grad = distribute_tensor(full, mesh, [placement])
+        params.append(p)
+    return total_grad_norm(params).item()
+
+
+def test_grad_norm_of_sharded_gradients_equals_the_single_process_norm():
+    params = [_grad_of((8192, 256), 0), _grad_of((256,), 1)]
+    single = total_grad_norm(params).item()
+    for norm in run_ranks(_sharded_norm, world=2):
+        assert abs(norm - single) <= 1e-12 * single, (norm, single)
+
+
+def _ddp_grads(rank: int, reduce_dtype: str, micro_batches: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.distributed.fsdp import apply_ddp, set_gradient_sync
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    apply_ddp(model, init_device_mesh("cpu", (2,)), reduce_dtype=reduce_dtype)
+    inputs = torch.randn(2, micro_batches, 3, 4, generator=torch.Generator().manual_seed(1))
+    for micro in range(micro_batches):
+        set_gradient_sync(model, micro == micro_batches - 1)
+        model(inputs[rank, micro]).sum().backward()
+    return model.weight.grad.flatten().tolist()
+
+
+def test_ddp_sums_each_micro_batch_once_in_the_reduce_dtype():
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 1, bias=False)
+    inputs = torch.randn(2, 3, 3, 4, generator=torch.Generator().manual_seed(1))
+    reference(inputs.flatten(0, 2)).sum().backward()
+    expected = reference.weight.grad.flatten()
+    for got in run_ranks(_ddp_grads, "float32", 3, world=2):
+        assert torch.allclose(torch.tensor(got), expected, rtol=1e-6), (got, expected)
+    # bfloat16 on the wire: the sum of the two ranks' bfloat16-rounded gradients, returned in float32
+    for got in run_ranks(_ddp_grads, "bfloat16", 3, world=2):
+        assert torch.allclose(torch.tensor(got), expected, rtol=1e-2) and got != expected.tolist(), (got, expected)
+
+
+def test_flight_recorder_environment():
+    assert flight_recorder_env(0, "/tmp/x", "cuda") == {}
+    cpu = flight_recorder_env(100, "/tmp/x", "cpu")
+    assert cpu == {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}
+    cuda = flight_recorder_env(100, "/tmp/fr_test_traces", "cuda")
+    assert cuda["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and cuda["TORCH_FR_DUMP_TEMP_FILE"].endswith("/rank")
+
+
+def test_a_rank_stuck_after_sigterm_exits_after_the_grace_period(tmp_path):
+    """A preempted rank that never reaches the end of its step (a hung read, a dead peer) must not wait for the
+    launcher's SIGKILL: it exits with code 1 once the grace period has passed."""
+    code = textwrap.dedent("""
+        import time
+        from torchtitan.distributed.preemption import PreemptionFlag
+        flag = PreemptionFlag("SIGTERM", grace_s=1.0)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and time.monotonic() - start < 10, err
+    assert "did not reach the end of its step within 1 s" in err
+
+
+def test_an_acknowledged_signal_does_not_exit():
+    code = textwrap.dedent("""
+        import os, signal, time
+        from torchtitan.distributed.preemption import PreemptionFlag
+        flag = PreemptionFlag("SIGTERM", grace_s=0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        flag.acknowledge()
+        time.sleep(1.0)
+        print("still here", flag.received)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "still here True" in out.stdout, out.stderr
