@@ -19,3 +19,11 @@ def test_every_docs_page_is_linked_from_the_readme():
     readme = (REPO / "README.md").read_text()
     for page in (REPO / "docs").glob("*.md"):
         assert f"docs/{page.name}" in readme, f"README.md does not link docs/{page.name}"
+
+
+def test_every_parity_layout_is_listed_in_the_testing_page():
+    from tests.integration.layouts import LAYOUTS, REFERENCES
+
+    page = (REPO / "docs" / "testing.md").read_text()
+    for name in [*REFERENCES, *(layout.name for layout in LAYOUTS)]:
+        assert f"`{name}`" in page, f"docs/testing.md does not list the layout {name}"
