@@ -30,7 +30,8 @@ def main() -> None:
             train_layout(pools, 1, dp(2, 1), tmp / "reordered"), refs["single_process"]))]
         for layout in LAYOUTS:
             run = train_layout(pools, layout.nproc, layout.overrides, tmp / layout.name)
-            rows.append((f"{layout.name} ({layout.nproc} ranks)", max_relative_differences(run, refs[layout.reference])))
+            worst = max_relative_differences(run, refs[layout.reference])
+            rows.append((f"{layout.name} ({layout.nproc} ranks)", worst))
     finally:
         pools.close()
     keys = list(TOLERANCE)

@@ -397,7 +397,8 @@ class CheckpointManager:
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        """The checkpoint's own group: it keeps the start-up timeout (a save waits on the filesystem)."""
+        """The checkpoint's own group. It keeps torch's default timeout (30 minutes on gloo) when the training
+        groups get comm.train_timeout_seconds: a save legitimately waits on the filesystem."""
         return self._pg
 
     # Every collective on the checkpoint group from the training thread runs here, after `wait()`: a background

@@ -36,10 +36,10 @@ class StepGuard:
     def should_step(self, local_loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Called by the step between the gradient norm and the update (see components/step.py)."""
         flags = torch.stack([
-            (~torch.isfinite(local_loss_sum)).to(torch.int32),
-            (~torch.isfinite(grad_norm)).to(torch.int32),
-            torch.tensor(int(self.stop_signal.received), dtype=torch.int32),
-        ]).to(self.device)
+            (~torch.isfinite(local_loss_sum)).to(device=self.device, dtype=torch.int32),
+            (~torch.isfinite(grad_norm)).to(device=self.device, dtype=torch.int32),
+            torch.tensor(int(self.stop_signal.received), dtype=torch.int32, device=self.device),
+        ])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         loss_bad, grad_bad, stop = (bool(v) for v in flags.tolist())

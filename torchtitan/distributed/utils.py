@@ -82,7 +82,7 @@ def dump_comm_traces(trace_folder: str | os.PathLike, rank: int) -> Path | None:
     if dump is None:
         return None
     try:
-        data = dump(True, True)
+        data = dump(includeCollectives=True, onlyActive=False)  # everything recorded, finished or not
     except Exception as e:  # diagnosis must never mask the failure being diagnosed
         logger.warning(f"could not dump the flight recorder: {e}")
         return None
@@ -170,7 +170,8 @@ def clip_grads_(parameters: Iterable[torch.nn.Parameter], max_norm: float, total
     """Scale every gradient by min(1, max_norm / total_norm); max_norm <= 0 leaves them alone."""
     if max_norm > 0:
         params = [p for p in parameters if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+        # The coefficient needs no float64: cast, so the foreach multiply sees the usual float32 scalar.
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
