@@ -170,8 +170,10 @@ def clip_grads_(parameters: Iterable[torch.nn.Parameter], max_norm: float, total
     """Scale every gradient by min(1, max_norm / total_norm); max_norm <= 0 leaves them alone."""
     if max_norm > 0:
         params = [p for p in parameters if p.grad is not None]
-        # The coefficient needs no float64: cast, so the foreach multiply sees the usual float32 scalar.
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm.float(), foreach=True)
+        if params:
+            # In the gradients' dtype (float32 under FSDP): the foreach multiply then takes its same-dtype path.
+            norm = total_norm.to(params[0].grad.dtype)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
