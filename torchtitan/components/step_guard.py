@@ -19,8 +19,8 @@ NONFINITE_ACTIONS = ("stop", "skip")
 
 
 class TrainingError(RuntimeError):
-    """A failure whose message already says everything (the step, what went wrong, what to do): logged as one
-    line without a traceback."""
+    """A failure whose message already says everything (the step, what went wrong, what to do): printed as one
+    line; when it wraps an exception, that exception's traceback is logged before it."""
 
 
 class StepGuard:
