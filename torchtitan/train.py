@@ -144,8 +144,8 @@ class Trainer:
         self.first_step = self.train_state.step + 1
         self.stop_signal = PreemptionFlag(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else "none",
                                           grace_s=cfg.comm.train_timeout_seconds)
-        self.guard = StepGuard(cfg.training.on_nonfinite, self.model, self.stop_signal, self.device)
-        self.guard.skipped_steps = self.train_state.skipped_steps
+        self.guard = StepGuard(cfg.training.on_nonfinite, self.model, self.stop_signal, self.device,
+                               self.train_state)
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
@@ -205,7 +205,6 @@ class Trainer:
             loss_sum, local_tokens, global_tokens, grad_norm = self._guarded_step(step, microbatches)
             self.train_state.step = step
             self.train_state.tokens_seen += int(global_tokens)
-            self.train_state.skipped_steps = self.guard.skipped_steps
             window_tokens += int(local_tokens)
             if step == self.first_step:  # compilation and first collectives are behind us
                 dist_utils.set_training_timeout(self.cfg.comm.train_timeout_seconds,

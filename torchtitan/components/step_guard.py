@@ -24,14 +24,16 @@ class TrainingError(RuntimeError):
 
 
 class StepGuard:
-    def __init__(self, action: str, model: nn.Module, stop_signal: PreemptionFlag, device: torch.device):
-        """action: what training.on_nonfinite asks for when the loss or gradient norm is NaN or infinite."""
+    def __init__(self, action: str, model: nn.Module, stop_signal: PreemptionFlag, device: torch.device,
+                 train_state) -> None:
+        """action: what training.on_nonfinite asks for when the loss or gradient norm is NaN or infinite;
+        skipped updates are counted in `train_state.skipped_steps` (checkpointed with it)."""
         if action not in NONFINITE_ACTIONS:
             raise ValueError(f"training.on_nonfinite: '{action}' is not one of {', '.join(NONFINITE_ACTIONS)}")
         self.action, self.model, self.stop_signal, self.device = action, model, stop_signal, device
+        self.train_state = train_state
         self.step = 0
         self.stop_requested = False
-        self.skipped_steps = 0
 
     def should_step(self, local_loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Called by the step between the gradient norm and the update (see components/step.py)."""
@@ -49,9 +51,9 @@ class StepGuard:
         what = ("the loss is not finite on some rank; " if loss_bad else "") + \
                f"the gradient norm is {grad_norm.item()}"
         if self.action == "skip":
-            self.skipped_steps += 1
+            self.train_state.skipped_steps += 1
             logger.warning(f"step {self.step}: {what}: update skipped (training.on_nonfinite=skip; "
-                           f"{self.skipped_steps} skipped so far)")
+                           f"{self.train_state.skipped_steps} skipped so far)")
             return False
         culprit = first_nonfinite_gradient(self.model, self.device)
         where = f"; first non-finite gradient in backward order: {culprit}" if culprit else ""

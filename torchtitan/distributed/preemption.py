@@ -5,9 +5,9 @@ saves while another trains on would deadlock both in mismatched collectives. So 
 the world once per step (components/step_guard.py) and every rank acts on the same step.
 
 A rank that is stuck (a hung data read, a collective whose peer died) never reaches the end of its step, so it
-would ignore the signal until the launcher's SIGKILL. After the signal it therefore gets a grace period (set by
-the trainer from the training timeout and the step time): if it has not acknowledged the signal at a step
-boundary by then, it exits with code 1 and says why.
+would ignore the signal until the launcher's SIGKILL. After the signal it therefore gets a grace period (the
+trainer sets comm.train_timeout_seconds): if it has not acknowledged the signal at a step boundary by then, it
+exits with code 1 and says why.
 """
 
 from __future__ import annotations
