@@ -19,6 +19,7 @@ from torchtitan.models.llama3.args import (
 )
 from torchtitan.models.llama3.model import (
     Attention,
+    RMSNorm,
     Transformer,
     apply_rotary_emb,
     get_nparams_and_flops,
@@ -261,6 +262,22 @@ def test_rmsnorm_bf16_computes_in_fp32(debug_model: Transformer) -> None:
     ref = x.to(torch.bfloat16).float()
     ref = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + norm.eps)
     torch.testing.assert_close(out, ref.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_fp32_formula_for_every_dtype_pair(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    # FSDP bf16 gives bf16 x and weight (fused kernel), autocast bf16 x with an fp32 weight (fp32 path).
+    norm = RMSNorm(64, eps=1e-5).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(4, 9, 64) * 30).to(x_dtype)
+    out = norm(x)
+    assert out.dtype == x_dtype
+    x32 = x.float()
+    ref = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
+    tol = {"rtol": 0, "atol": 0} if x_dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(out, ref.to(x_dtype), **tol)
 
 
 # ----------------------------------------------------------------------------- RoPE
