@@ -8,7 +8,6 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -113,9 +112,7 @@ class Trainer:
         with torch.no_grad():
             self.model.init_weights(buffer_device=self.device, param_init=dist_utils.param_init)
         self.model.train()
-        # FSDP casts parameters itself; DDP has no mixed-precision policy, so use autocast there.
-        use_autocast = parallel_dims.ddp_enabled and param_dtype == "bfloat16"
-        self.autocast = torch.autocast(self.device.type, torch.bfloat16) if use_autocast else nullcontext()
+        self.autocast = dist_utils.mixed_precision_autocast(parallel_dims, param_dtype, self.device.type)
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)

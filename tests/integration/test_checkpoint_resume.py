@@ -90,6 +90,19 @@ def test_resume_across_tensor_parallel_both_ways(straight_fsdp4, pools, tmp_path
     assert not problems, problems[:5]
 
 
+def test_resume_on_one_unwrapped_process_both_ways(straight_fsdp4, pools, tmp_path):
+    # FSDP 4 step 6 -> one process (no data-parallel wrapper: plain tensors, saves step 9) -> FSDP 4 again.
+    folder, straight = straight_fsdp4
+    single, back = tmp_path / "single", tmp_path / "fsdp4"
+    _resume_from(folder, 6, single)
+    resumed = train_layout(pools, 1, (*CKPT, *dp(8, 1), "--checkpoint.interval", "3"), single)
+    assert not compare(resumed, _from_step(straight, 7))
+    _resume_from(single, 9, back)
+    again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
+    problems = compare(again, _from_step(straight, 10))
+    assert not problems, problems[:5]
+
+
 EXTEND = (*dp(4, 2), "--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.decay_ratio", "0")
 
 

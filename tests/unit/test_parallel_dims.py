@@ -161,7 +161,8 @@ def test_ep_borrows_from_dp_shard_and_cp(world, degrees):
     ("name", "world", "degrees", "expected"),
     [
         # name, world, degrees: (dp, fsdp, loss, ddp, fsdp_enabled, hsdp)
-        ("1 process", 1, {}, (1, 1, 1, False, True, False)),
+        ("1 process", 1, {}, (1, 1, 1, False, False, False)),
+        ("TP 2 alone", 2, {"dp_shard": 1, "tp": 2}, (1, 1, 1, False, False, False)),
         ("FSDP 4", 4, {}, (4, 4, 4, False, True, False)),
         ("HSDP 2x2", 4, {"dp_replicate": 2, "dp_shard": 2}, (4, 2, 4, False, True, True)),
         ("HSDP 2x-1", 4, {"dp_replicate": 2}, (4, 2, 4, False, True, True)),
@@ -178,7 +179,8 @@ def test_derived_degrees_and_flags(name, world, degrees, expected):
     pd = make(world, **degrees)
     got = (pd.dp_degree, pd.fsdp_degree, pd.loss_degree, pd.ddp_enabled, pd.fsdp_enabled, pd.hsdp_enabled)
     assert got == expected, name
-    assert pd.ddp_enabled != pd.fsdp_enabled
+    assert not (pd.ddp_enabled and pd.fsdp_enabled)
+    assert pd.autocast_enabled == (not pd.fsdp_enabled)
 
 
 @pytest.mark.parametrize(("world", "degrees", "expected"), [

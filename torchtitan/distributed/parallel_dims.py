@@ -131,8 +131,15 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 (or HSDP when dp_replicate > 1) manages parameters; also on one rank, for mixed precision."""
-        return not self.ddp_enabled
+        """FSDP2 (or HSDP when dp_replicate > 1) manages parameters: there is something to shard (dp_shard x cp
+        > 1), or replication that DDP cannot take (with TP). Nothing wraps a model whose data-parallel degree is
+        1 (one process, TP or PP alone): a wrapper there only costs time, and bf16 comes from autocast."""
+        return self.fsdp_degree > 1 or (self.dp_replicate > 1 and not self.ddp_enabled)
+
+    @property
+    def autocast_enabled(self) -> bool:
+        """Mixed precision by autocast rather than FSDP's policy: wherever FSDP does not manage the parameters."""
+        return not self.fsdp_enabled
 
     @property
     def hsdp_enabled(self) -> bool:

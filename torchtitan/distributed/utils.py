@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -137,6 +138,17 @@ def all_reduce(value: torch.Tensor, mesh, op: str = "sum") -> torch.Tensor:
     if mesh is not None and mesh.size() > 1:
         dist.all_reduce(out, op=red, group=mesh.get_group())
     return out
+
+
+def mixed_precision_autocast(parallel_dims, param_dtype: str, device_type: str):
+    """The context the forward runs in: bf16 autocast where nothing else casts the parameters, else a no-op.
+
+    FSDP's mixed-precision policy casts parameters itself; DDP and unwrapped models (data-parallel degree 1)
+    keep fp32 parameters, so bf16 training there comes from autocast. Shared by the trainer and the estimator.
+    """
+    if parallel_dims.autocast_enabled and param_dtype == "bfloat16":
+        return torch.autocast(device_type, torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import mixed_precision_autocast
 from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
@@ -133,9 +134,8 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
         spec = get_model_spec(cfg.model.name)
         with _ddp_stand_in(spec.parallelize_fn) if parallel_dims.ddp_enabled else nullcontext():
             model, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers)
-        # As in the trainer: DDP has no mixed-precision policy, bf16 comes from autocast.
-        use_autocast = parallel_dims.ddp_enabled and _param_dtype(cfg, device_type) == "bfloat16"
-        autocast = torch.autocast("cpu", torch.bfloat16) if use_autocast else nullcontext()
+        # The fake run is on CPU tensors, so the autocast (if any) is CPU's, with the target's parameter dtype.
+        autocast = mixed_precision_autocast(parallel_dims, _param_dtype(cfg, device_type), "cpu")
         tracker = MemoryTracker()
         with TrackingFakeTensorMode(tracker, allow_non_fake_inputs=True):
             model.to_empty(device="cpu")

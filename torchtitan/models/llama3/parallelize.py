@@ -1,4 +1,5 @@
-"""Apply parallelisms to a Llama model in the house order: TP -> CP -> AC -> compile -> FSDP/HSDP or DDP.
+"""Apply parallelisms to a Llama model in the house order: TP -> CP -> AC -> compile -> FSDP/HSDP or DDP
+(or no data-parallel wrapper when the data-parallel degree is 1).
 
 CP is rejected by config validation until its issue lands.
 """
@@ -35,4 +36,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward,
         )
-    return apply_ddp(model, parallel_dims.mesh("dp_replicate"), reduce_dtype=job_config.training.mixed_precision_reduce)
+    if parallel_dims.ddp_enabled:
+        return apply_ddp(model, parallel_dims.mesh("dp_replicate"),
+                         reduce_dtype=job_config.training.mixed_precision_reduce)
+    return model
