@@ -38,10 +38,12 @@ def test_missing_config_file_fails_naming_it(tmp_path, tt_cache_dir):
 
 @pytest.mark.parametrize("form", ["none", "space", "equals"])
 def test_run_train_passes_exactly_one_config_file(tmp_path, tt_cache_dir, form):
-    # PYTHON is a wrapper that prints the launcher's command line instead of starting torchrun.
+    # PYTHON is a wrapper that prints the launcher's torchrun command line instead of starting torchrun.
     wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m torch.distributed.run" ]; then printf "%s\\n" "$@"; '
-                       f'exit 0; fi\nexec {sys.executable} "$@"\n')
+    show = ("import os, sys; from torchtitan.launch import torchrun_argv; "
+            "print(*torchrun_argv(sys.argv[1:], os.environ, 0), sep=chr(10))")
+    wrapper.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "-m torchtitan.launch" ]; then shift 2; '
+                       f'exec {sys.executable} -c "{show}" "$@"; fi\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     user = {"none": [], "space": ["--job.config_file", "mine.toml"], "equals": ["--job.config_file=mine.toml"]}[form]
     result = run_train(1, user, tmp_path / "out", tt_cache_dir, timeout=60,

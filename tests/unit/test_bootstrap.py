@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,14 +20,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Stands in for python3 and, copied by `-m venv`, for .venv/bin/python. What an interpreter has "installed" is
 # a marker file per group in <its bin folder>/fake-site: torch, base (torchtitan and its dependencies), dev.
-# `-c "import a, b"` succeeds only when every module's group is marked; `-m pip install ARGS` appends ARGS
+# `-c "import a, b"` (or the find_spec check, `-c "import sys, importlib.util ..." a b`) succeeds only when
+# every module's group is marked; `-m pip install ARGS` appends ARGS
 # (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 site="$(cd "$(dirname "$0")" && pwd)/fake-site"
 has() { [ -e "$site/$1" ]; }
 if [ "${1:-}" = "-c" ]; then
-    case "$2" in "import "*) ;; *) exit 1 ;; esac
-    IFS=', ' read -r -a modules <<< "${2#import }"
+    case "$2" in
+        "import sys, importlib.util"*) modules=("${@:3}") ;;  # the find_spec check: module names as arguments
+        "import "*) IFS=', ' read -r -a modules <<< "${2#import }" ;;
+        *) exit 1 ;;
+    esac
     for m in "${modules[@]}"; do
         case "$m" in
             "") ;;
@@ -170,3 +175,8 @@ def test_an_interpreter_that_has_everything_is_used_without_installing(sandbox: 
     _make_fake_python(sandbox.bin, "python3", installed=("torch", "base"))
     assert sandbox.run() == ("python3", [])
     assert not (sandbox.root / ".venv").exists()
+
+
+def test_the_real_check_accepts_a_real_interpreter_that_has_everything(sandbox: Sandbox) -> None:
+    # The fake above parses the check; this runs bootstrap's actual find_spec command on this interpreter.
+    assert sandbox.run(need_dev=True, python=sys.executable) == (sys.executable, [])

@@ -83,7 +83,7 @@ def test_ddp_sums_each_micro_batch_once_in_the_reduce_dtype():
 def test_flight_recorder_environment():
     assert flight_recorder_env(0, "/tmp/x", "cuda") == {}
     cpu = flight_recorder_env(100, "/tmp/x", "cpu")
-    assert cpu == {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}
+    assert cpu == {"TORCH_FR_BUFFER_SIZE": "100"}
     cuda = flight_recorder_env(100, "/tmp/fr_test_traces", "cuda")
     assert cuda["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and cuda["TORCH_FR_DUMP_TEMP_FILE"].endswith("/rank")
 

@@ -65,7 +65,7 @@ def flight_recorder_env(trace_buf_size: int, trace_folder: str | os.PathLike | N
     """Environment that turns on torch's flight recorder (read when a process group is created)."""
     if trace_buf_size <= 0:
         return {}
-    env = {"TORCH_FR_BUFFER_SIZE": str(trace_buf_size), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buf_size)}
+    env = {"TORCH_FR_BUFFER_SIZE": str(trace_buf_size)}  # the old TORCH_NCCL_TRACE_BUFFER_SIZE only warns now
     if device_type == "cuda" and trace_folder is not None:
         # NCCL's watchdog writes `<prefix><rank>` when a collective times out, before it tears the process down
         # (the exception may never reach Python there).
