@@ -145,10 +145,11 @@ def _categorizer(model_classes: dict):
         for fn in functions:
             code = fn.__code__
             frames[(code.co_firstlineno, code.co_name)] = (code.co_filename, component)
-    path_rules = (("/torch/distributed/fsdp/", "fsdp"), ("/torch/optim/", "optimizer"),
-                  ("torchtitan/distributed/utils.py", "optimizer"), ("/torch/nn/utils/clip_grad", "optimizer"),
+    # Paths as the profiler prints them: relative to their sys.path entry (torch/optim/adam.py(214): step).
+    path_rules = (("torch/distributed/fsdp/", "fsdp"), ("torch/optim/", "optimizer"),
+                  ("torchtitan/distributed/utils.py", "optimizer"), ("torch/nn/utils/clip_grad", "optimizer"),
                   ("torchtitan/components/loss.py", "loss"), ("torchtitan/data/", "data"),
-                  ("/torch/utils/data/", "data"), ("/torchdata/", "data"))
+                  ("torch/utils/data/", "data"), ("torchdata/", "data"))
 
     def direct(name: str) -> str | None:
         if name.startswith("FSDP::"):
@@ -203,12 +204,20 @@ def profile_worker(opts: dict, world: int, device, tmp: str) -> dict:
             node = node.cpu_parent
         return "other"
 
+    # A forward op records the autograd sequence number current when it starts, and the op that creates the node
+    # takes it, so several ops share a number and the node's creator is the last of them to start.
+    def in_backward(e) -> bool:  # ops the autograd engine runs carry sequence numbers too
+        node = e
+        while node is not None:
+            if node.name.startswith("autograd::engine::evaluate_function"):
+                return True
+            node = node.cpu_parent
+        return False
+
     seq_component: dict[int, str] = {}
-    for e in events:  # forward ops that recorded an autograd node: their backward belongs to the same component
-        if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
-            c = walk(e, {})
-            if seq_component.get(e.sequence_nr, "other") == "other":
-                seq_component[e.sequence_nr] = c
+    forward = [e for e in events if e.sequence_nr >= 0 and not in_backward(e)]
+    for e in sorted(forward, key=lambda e: e.time_range.start):
+        seq_component[e.sequence_nr] = walk(e, {})
     shares = dict.fromkeys(COMPONENTS, 0.0)
     for e in events:
         shares[walk(e, seq_component)] += e.self_cpu_time_total

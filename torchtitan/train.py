@@ -54,6 +54,9 @@ class Trainer:
         seed = 0 if cfg.debug.seed is None else cfg.debug.seed
         dist_utils.set_determinism(seed, cfg.debug.deterministic)
         self.tf32 = device_tools.set_tf32(cfg.training.tf32, self.device.type)
+        if self.device.type == "cpu":  # CPU training only: see each function for what it measured
+            device_tools.flush_cpu_denormals()
+            device_tools.keep_freed_host_memory()
         self.dump_folder = Path(cfg.job.dump_folder)
         self._save_config()
 
@@ -208,6 +211,8 @@ class Trainer:
                                                 keep=[self.checkpointer.process_group])
             if step % cfg.gc_freq == 0:
                 gc.collect(1)
+                if self.device.type == "cpu":
+                    device_tools.release_freed_host_memory()
             validation = {}
             if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
                 validation = self.validator.validate(self.model, self.autocast)
