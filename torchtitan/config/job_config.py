@@ -102,7 +102,7 @@ class Training:
     tf32: bool = True
     """Use TF32 tensor cores for fp32 matmuls/convs on NVIDIA GPUs (false = full fp32); MFU uses the matching peak"""
     gc_freq: int = 50
-    """Run Python's garbage collector every gc_freq steps (automatic collection is disabled during training)"""
+    """Every gc_freq steps: Python's garbage collection (automatic collection is off) and, on CPU, heap trimming"""
 
 
 @dataclass
