@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -353,17 +357,14 @@ def test_console_line_skips_missing_and_uses_cpu_memory(tmp_path: Path, capture)
 
 
 def _in_fresh_process(code: str) -> str:
-    import subprocess
-    import sys
-    import textwrap
-
+    """Run `code` in a new interpreter: the allocator and FPU settings under test are process-wide."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.strip()
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_keep_freed_host_memory_keeps_large_tensors_mapped() -> None:
     # Without it a freed 256 MiB tensor is unmapped at once (RSS drops back); with it the memory stays for reuse
     # until release_freed_host_memory.
