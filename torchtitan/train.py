@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import sys
@@ -15,10 +14,11 @@ import torch
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
 from torchtitan.components.checkpoint_io import one_line
 from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
-from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsLogger
-from torchtitan.components.optimizer import build_optimizer
-from torchtitan.components.step import forward_backward_step
+from torchtitan.components.model_parts import build_model_parts, materialize, model_args_for
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.step import ScaledLoss, forward_backward_step
 from torchtitan.components.step_guard import StepGuard, TrainingError
 from torchtitan.components.validate import Validator
 from torchtitan.config.errors import ConfigError
@@ -30,6 +30,7 @@ from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
+from torchtitan.distributed.pipeline_parallel import Pipeline
 from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
@@ -62,8 +63,7 @@ class Trainer:
 
         # Tokenizer and data are checked before the model is built: a bad path fails in seconds.
         spec = get_model_spec(cfg.model.name)
-        max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
-        model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=max_seq_len)
+        model_args = model_args_for(cfg)
         tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir(), model_args.vocab_size)
         if tokenizer.vocab_size > model_args.vocab_size:
             raise ConfigError(
@@ -98,27 +98,34 @@ class Trainer:
         # ("'Tensor' object has no attribute 'elem'", an async-collective input). Validation runs it eagerly.
         validate_eager = parallel_dims.tp_enabled and cfg.compile.enable and "model" in cfg.compile.components
         self.validator = None
+        self.pp_mesh = parallel_dims.mesh("pp") if resolved.pipeline is not None else None
         if cfg.validation.enable:
             self.validator = Validator(cfg, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(), self.loss_mesh,
                                        self.device, str(default_cache_dir() / "datasets"), loss_fn=self.loss_fn,
-                                       loss_parallel=self.loss_parallel, eager=validate_eager)
+                                       loss_parallel=self.loss_parallel, eager=validate_eager,
+                                       pp_mesh=self.pp_mesh)
 
-        # Build on meta, parallelize, then materialise: no rank ever holds the full unsharded model.
+        # Build on meta, cut into this rank's pipeline stages, parallelize, then materialise: no rank ever holds
+        # the full unsharded model. The memory estimator builds through the same function.
         with torch.device("meta"):
-            model = spec.model_cls(model_args)
-        self.nparams, self.flops_per_token = spec.nparams_and_flops_fn(model, model_args, cfg.training.seq_len)
+            whole = spec.model_cls(model_args)
+        self.nparams, self.flops_per_token = spec.nparams_and_flops_fn(whole, model_args, cfg.training.seq_len)
+        param_order = {name: i for i, (name, _) in enumerate(whole.named_parameters())}
+        del whole
         param_dtype = device_tools.training_param_dtype(cfg.training.mixed_precision_param, self.device.type)
         if param_dtype != cfg.training.mixed_precision_param:
             logger.info("CPU run: training in float32 (training.mixed_precision_param applies on GPU)")
-        self.model = spec.parallelize_fn(model, parallel_dims, cfg, param_dtype)
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            self.model.init_weights(buffer_device=self.device, param_init=dist_utils.param_init)
-        self.model.train()
+        self.model_parts = build_model_parts(cfg, parallel_dims, resolved.pipeline, param_dtype, model_args)
+        materialize(self.model_parts, self.device, seed, dist_utils.param_init)
         self.autocast = dist_utils.mixed_precision_autocast(parallel_dims, param_dtype, self.device.type)
+        self.pipeline = None
+        if resolved.pipeline is not None:
+            self.scaled_loss = ScaledLoss(self.loss_fn)
+            self.pipeline = Pipeline(resolved.pipeline, self.model_parts, self.pp_mesh, self.device,
+                                     cfg.training.local_batch_size, self.scaled_loss)
 
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, self.device.type)
+        self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.memory = device_tools.MemoryMonitor(self.device.type)
         self.peak_flops = device_tools.mfu_peak_flops(self.device.type, param_dtype, tf32=self.tf32)
         self.metrics = MetricsLogger(
@@ -134,8 +141,9 @@ class Trainer:
         # Resume (or initial weights) last: everything a checkpoint restores must exist first.
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint, dump_folder=self.dump_folder, model=self.model, optimizer=self.optimizer,
+            cfg.checkpoint, dump_folder=self.dump_folder, model_parts=self.model_parts, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.train_state,
+            pipeline_parallel=self.pipeline is not None,
             model_args=model_args, world_size=parallel_dims.world_size, rank=self.rank,
         )
         if not cfg.checkpoint.create_seed_checkpoint:
@@ -144,15 +152,24 @@ class Trainer:
         self.first_step = self.train_state.step + 1
         self.stop_signal = PreemptionFlag(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else "none",
                                           grace_s=cfg.comm.train_timeout_seconds)
-        self.guard = StepGuard(cfg.training.on_nonfinite, self.model, self.stop_signal, self.device,
-                               self.train_state)
+        self.guard = StepGuard(cfg.training.on_nonfinite, self.model_parts, self.stop_signal, self.device,
+                               self.train_state, param_order)
         logger.info(
             f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
             f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
-            f"(dp_replicate {parallel_dims.dp_replicate}, dp_shard {parallel_dims.dp_shard}, tp {parallel_dims.tp}), "
+            f"(dp_replicate {parallel_dims.dp_replicate}, dp_shard {parallel_dims.dp_shard}, tp {parallel_dims.tp}, "
+            f"pp {parallel_dims.pp}{self._pipeline_summary()}), "
             f"global batch {cfg.training.local_batch_size * parallel_dims.dp_degree * grad_accum_steps} "
             f"sequences ({grad_accum_steps} accumulation steps), device {self.device}, params {param_dtype}"
         )
+
+    def _pipeline_summary(self) -> str:
+        if self.pipeline is None:
+            return ""
+        plan = self.pipeline.plan
+        stages = ", ".join(f"{s}: {plan.module_fqns[s][0]}..{plan.module_fqns[s][-1]}" for s in self.pipeline.stage_ids)
+        return (f" {plan.schedule}, {plan.num_stages} stages, {plan.n_microbatches(self.cfg.training.local_batch_size)}"
+                f" micro-batches; this rank's stages {stages}")
 
     def _save_config(self) -> None:
         if self.rank != 0:
@@ -172,10 +189,13 @@ class Trainer:
         global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
         self.guard.step = step
+        if self.pipeline is not None:
+            self.scaled_loss.global_tokens = global_tokens
         local_loss_sum, grad_norm = forward_backward_step(
-            self.model, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
+            self.model_parts, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
             max_norm=self.cfg.training.max_norm, device=self.device, autocast=self.autocast,
-            loss_parallel=self.loss_parallel, should_step=self.guard.should_step,
+            loss_parallel=self.loss_parallel, pipeline=self.pipeline, pp_mesh=self.pp_mesh,
+            should_step=self.guard.should_step,
         )
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm
@@ -215,7 +235,7 @@ class Trainer:
                     device_tools.release_freed_host_memory()
             validation = {}
             if self.validator is not None and (step % self.cfg.validation.freq == 0 or step == cfg.steps):
-                validation = self.validator.validate(self.model, self.autocast)
+                validation = self.validator.validate(self.model_parts, self.autocast, self.pipeline)
             if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
                 # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
@@ -250,6 +270,9 @@ class Trainer:
 
     def _log(self, step, loss_sum, local_tokens, global_tokens, grad_norm, tps: float, data_pct: float,
              validation: dict[str, float]) -> None:
+        # With pipeline parallel the loss lives on the last stage's ranks (zero elsewhere): summing over pp brings
+        # it to rank 0, which writes the metrics.
+        loss_sum = dist_utils.all_reduce(loss_sum, self.pp_mesh, "sum")
         loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum") / global_tokens
         loss_max = dist_utils.all_reduce(loss_sum / local_tokens.to(self.device), self.loss_mesh, "max")
         tflops = self.flops_per_token * tps / 1e12

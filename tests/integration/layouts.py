@@ -8,6 +8,8 @@ Every data-parallel layout accumulates gradients (local batch x DP degree < 8) u
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.integration.parity import Layout
 
 GLOBAL_BATCH = 8
@@ -74,4 +76,34 @@ LAYOUTS = [
     Layout("tp2_compile", 2, (*dp(8, 1), *_TP2, "--compile.enable", "true")),
     # Clipping off: the global gradient norm is logged but not applied.
     Layout("fsdp2_no_clip_accum", 2, (*dp(2, 2), "--training.max_norm", "0"), reference="single_process_no_clip"),
+]
+
+# Pipeline parallel: the loss lives on the last stage; FQNs, init and the optimizer state follow the whole model.
+_PP2 = ("--parallelism.pipeline_parallel_degree", "2")
+
+
+def pp(schedule: str) -> tuple[str, ...]:
+    return (*_PP2, "--parallelism.pipeline_parallel_schedule", schedule)
+
+
+PP_LAYOUTS = [
+    Layout("pp2_gpipe", 2, (*dp(8, 1), *pp("GPipe"))),
+    Layout("pp2_1f1b_accum_mb2", 2, (*dp(4, 1), *pp("1F1B"), "--parallelism.pipeline_parallel_microbatch_size", "2")),
+    # Multi-stage schedules: 2 stages per rank, one block each (the V schedules place them in a V).
+    Layout("pp2_interleaved1f1b", 2, (*dp(8, 1), *pp("Interleaved1F1B"))),
+    Layout("pp2_loopedbfs", 2, (*dp(8, 1), *pp("LoopedBFS"))),
+    Layout("pp2_interleaved_zero_bubble", 2, (*dp(8, 1), *pp("InterleavedZeroBubble"))),
+    Layout("pp2_zbv_zero_bubble", 2, (*dp(8, 1), *pp("ZBVZeroBubble"))),
+    Layout("pp2_dualpipev", 2, (*dp(8, 1), *pp("DualPipeV"))),
+    Layout("pp2_csv_gpipe", 2, (*dp(8, 1), *pp("PipelineScheduleMulti"),
+                                "--parallelism.pipeline_parallel_schedule_csv",
+                                str(Path(__file__).parent / "data" / "pp2_gpipe_8mb.csv"))),
+    Layout("pp2_explicit_split_full_ac", 2, (*dp(8, 1), *pp("1F1B"), "--activation_checkpoint.mode", "full",
+                                             "--parallelism.module_fqns_per_model_part",
+                                             '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", '
+                                             '"norm", "output"]]')),
+    Layout("pp2_fsdp2_interleaved", 4, (*dp(4, 2), *pp("Interleaved1F1B"))),
+    Layout("pp2_tp2", 4, (*dp(8, 1), *pp("1F1B"), *_TP2)),
+    Layout("pp2_hsdp2x2", 8, (*dp(2, 4), *pp("1F1B"), *_REPLICATE, "2")),
+    Layout("pp2_fsdp2_tp2", 8, (*dp(4, 2), *pp("1F1B"), *_TP2)),
 ]

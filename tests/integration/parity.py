@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchtitan.components.model_parts import named_parameters
+
 # Tolerances, relative, derived in docs/testing.md from the measured noise floor of mathematically equal runs.
 TOLERANCE = {"loss": 2e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "param": 1e-6}
 
@@ -65,7 +67,7 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
         FAULTS[fault[0]](trainer, *fault[1:])
     result: dict[str, Any] = {}
     try:
-        trainer.train(after_step=lambda step: params.append(param_checksums(trainer.model, parallel_dims)))
+        trainer.train(after_step=lambda step: params.append(param_checksums(trainer.model_parts, parallel_dims)))
     except TrainingError as e:
         if expect != "training_error":
             raise
@@ -80,7 +82,7 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
     return {**result, "metrics": metrics, "params": params}
 
 
-def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[float]]:
+def param_checksums(model_parts: list[torch.nn.Module], parallel_dims) -> dict[str, list[float]]:
     """name -> [sum, sum of |x|, sum of x^2] of every parameter over the whole job, in float64.
 
     Each rank adds the elements it holds uniquely (a shard counts once; a replica only on the rank whose
@@ -88,8 +90,7 @@ def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[flo
     so stages or expert groups that hold different parameters merge too.
     """
     mine: dict[str, list[float]] = {}
-    for wrapped_name, p in model.named_parameters():
-        name = canonical_name(wrapped_name)
+    for name, p in named_parameters(model_parts):
         if isinstance(p, DTensor):
             coordinate = p.device_mesh.get_coordinate()
             owner = all(c == 0 for c, pl in zip(coordinate, p.placements, strict=True) if isinstance(pl, Replicate))
@@ -108,11 +109,6 @@ def param_checksums(model: torch.nn.Module, parallel_dims) -> dict[str, list[flo
         for name, sums in part.items():
             merged[name] = [a + b for a, b in zip(merged.get(name, [0.0, 0.0, 0.0]), sums, strict=True)]
     return merged
-
-
-def canonical_name(name: str) -> str:
-    """The parameter's name without activation-checkpoint and compile wrappers (as checkpoints store it)."""
-    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
 
 
 def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE) -> list[str]:
@@ -180,7 +176,11 @@ def _nan_gradient(trainer, module_fqn: str, step: int, rank: int) -> None:
             return _NanBackward.apply(output)
         return output
 
-    trainer.model.get_submodule(module_fqn).register_forward_hook(hook)
+    for part in trainer.model_parts:
+        try:
+            part.get_submodule(module_fqn).register_forward_hook(hook)
+        except AttributeError:
+            continue  # another pipeline stage holds it
 
 
 def _average_gradients(trainer) -> None:
@@ -189,13 +189,13 @@ def _average_gradients(trainer) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     dp = trainer.parallel_dims.dp_degree
-    fsdp_modules = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    fsdp_modules = [m for part in trainer.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
     for module in fsdp_modules:
         module.set_gradient_divide_factor(float(trainer.parallel_dims.fsdp_degree * trainer.parallel_dims.dp_replicate))
     if not fsdp_modules:  # DDP: swap our SUM hook for an averaging one before the first forward registers it
         from torch.distributed._composable.replicate import replicate
 
-        state = replicate.state(trainer.model)
+        state = replicate.state(trainer.model_parts[0])
         (hook_state, _), kwargs = state._comm_hook_args[0]
 
         def average_hook(hook_state, bucket):

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from tests.unit.forked import run_ranks
 from torchtitan.components import checkpoint_io as cio
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState, checkpoint_step_folders
 from torchtitan.components.hf_io import load_hf, save_hf
 from torchtitan.components.lr_scheduler import build_lr_scheduler
@@ -84,7 +85,8 @@ class Run:
         self.sched = build_lr_scheduler(self.opt, LRSchedulerConfig(warmup_steps=2), total_steps=10)
         self.loader, self.ts = FakeLoader(), TrainState()
         cfg.setdefault("enable", True)
-        self.mgr = CheckpointManager(Checkpoint(**cfg), dump_folder=tmp, model=self.model, optimizer=self.opt,
+        self.mgr = CheckpointManager(Checkpoint(**cfg), dump_folder=tmp, model_parts=[self.model],
+                                     optimizer=OptimizersContainer([self.model], None, optimizers=[self.opt]),
                                      lr_scheduler=self.sched, dataloader=self.loader, train_state=self.ts,
                                      model_args=ARGS, world_size=world, rank=rank)
 

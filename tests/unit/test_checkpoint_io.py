@@ -130,7 +130,7 @@ def test_convert_script(tmp_path: Path, capsys) -> None:
     # The converted folder initialises a run (model only).
     other = Transformer(args)
     mgr = CheckpointManager(Checkpoint(initial_load_path=str(tmp_path / "back" / "step-0")), dump_folder=tmp_path,
-                            model=other, optimizer=None, lr_scheduler=None, dataloader=None, train_state=TrainState(),
+                            model_parts=[other], optimizer=None, lr_scheduler=None, dataloader=None, train_state=TrainState(),
                             model_args=args, world_size=1, rank=0)
     assert mgr.load()
     assert_same(other.state_dict(), want)
@@ -178,7 +178,8 @@ def test_when_saves_happen_and_config_errors(tmp_path: Path) -> None:
                      ({"interval": 0}, "checkpoint.interval"), ({"keep_latest_k": -1}, "keep_latest_k")):
         with pytest.raises(ValueError, match=key):
             Run(tmp_path, seed=1, **bad)
-    mgr = CheckpointManager(Checkpoint(create_seed_checkpoint=True), dump_folder=tmp_path, model=Transformer(ARGS),
+    mgr = CheckpointManager(Checkpoint(create_seed_checkpoint=True), dump_folder=tmp_path,
+                            model_parts=[Transformer(ARGS)],
                             optimizer=None, lr_scheduler=None, dataloader=None, train_state=TrainState(),
                             model_args=ARGS, world_size=2, rank=0)
     with pytest.raises(ValueError, match="checkpoint.create_seed_checkpoint"):

@@ -550,6 +550,7 @@ INVALID_VALUES = [
     # parallelism
     (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward"),
     (["--parallelism.context_parallel_rotate_method", "ring"], "parallelism.context_parallel_rotate_method"),
+    (["--parallelism.pipeline_parallel_schedule", "Zigzag"], "parallelism.pipeline_parallel_schedule"),
     (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree"),
     (["--parallelism.data_parallel_shard_degree", "-2"], "parallelism.data_parallel_shard_degree"),
     (["--parallelism.data_parallel_replicate_degree", "0"], "parallelism.data_parallel_replicate_degree"),
@@ -589,7 +590,6 @@ INVALID_VALUES = [
 ]
 
 NOT_AVAILABLE = [
-    (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
     (["--parallelism.expert_tensor_parallel_degree", "2"], "parallelism.expert_tensor_parallel_degree"),
@@ -599,11 +599,6 @@ NOT_AVAILABLE = [
     (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode"),
     # keys of features still to come are refused at any non-default value, with the feature's degree at 1
     (["--parallelism.context_parallel_rotate_method", "alltoall"], "parallelism.context_parallel_rotate_method"),
-    (["--parallelism.pipeline_parallel_schedule", "GPipe"], "parallelism.pipeline_parallel_schedule"),
-    (["--parallelism.pipeline_parallel_microbatch_size", "2"], "parallelism.pipeline_parallel_microbatch_size"),
-    (["--parallelism.pipeline_parallel_layers_per_stage", "4"], "parallelism.pipeline_parallel_layers_per_stage"),
-    (["--parallelism.module_fqns_per_model_part", '[["tok_embeddings"], ["norm"]]'],
-     "parallelism.module_fqns_per_model_part"),
 ]
 
 

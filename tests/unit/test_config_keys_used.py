@@ -101,7 +101,7 @@ def test_the_scan_tells_read_from_unread():
     code = _code_outside_config()
     assert is_read("steps", code) and is_read("tokenizer_path", code)
     assert not is_read("no_such_key_anywhere", code)
-    assert "parallelism.pipeline_parallel_schedule" in validate.NOT_YET
+    assert "parallelism.context_parallel_rotate_method" in validate.NOT_YET
 
 
 def test_every_not_yet_key_is_a_real_key():

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.forked import in_child, run_ranks
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.manager import load_config, parse_args
 from torchtitan.estimation.engine import CATEGORIES, build_parallel_model, estimate, estimate_rank, run_steps
 
@@ -49,12 +49,13 @@ def _measure(rank: int, args: list[str], world: int) -> int:
     cfg, resolved = load_config(args, world)
     accum = resolved.grad_accum_steps
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, model_args, loss_parallel = build_parallel_model(cfg, resolved.parallel_dims, "cpu")
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cpu"))
-        optimizer = build_optimizer(model, cfg.optimizer, "cpu")
-        run_steps(model, optimizer, cfg, model_args.vocab_size, accum, loss_parallel, lambda phase: None)
+        parts, model_args, loss_parallel = build_parallel_model(cfg, resolved.parallel_dims, "cpu")
+        for part in parts:
+            part.to_empty(device="cpu")
+            with torch.no_grad():
+                part.init_weights(buffer_device=torch.device("cpu"))
+        optimizer = OptimizersContainer(parts, cfg.optimizer, "cpu")
+        run_steps(parts, optimizer, cfg, model_args.vocab_size, accum, loss_parallel, lambda phase: None)
     return _allocator_peak(prof)
 
 

@@ -2,7 +2,7 @@
 
 A full checkpoint `<dump_folder>/<checkpoint.folder>/step-<N>/` holds, under these top-level keys:
   model         every rank's shards of the model (FQN -> tensor/DTensor), `get_model_state_dict`
-  optimizer     `get_optimizer_state_dict` (sharded moments keyed by FQN, param_groups as plain data)
+  optimizer     the optimizers of all model parts, flattened and keyed by FQN (components/optimizer.py)
   lr_scheduler  the scheduler's `state_dict()` (plain data)
   dataloader    the data cursor (plain ints, equal on every rank)
   train_state   {step, tokens_seen}
@@ -34,16 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from torchtitan.components import checkpoint_io as cio
 from torchtitan.components.checkpoint_io import CheckpointError, checkpoint_step_folders
+from torchtitan.components.model_parts import load_model_state_dict, model_state_dict
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.tools.logging import logger
 
@@ -73,10 +68,12 @@ class TrainState:
 
 class CheckpointManager:
     """Owns `<dump_folder>/<cfg.folder>`: `load()` once after setup, `maybe_save(step)` after every step,
-    `close()` before exit. optimizer, lr_scheduler and dataloader may be None (their state is skipped)."""
+    `close()` before exit. `model_parts` are this rank's parts (one, or its pipeline stages); the optimizer and
+    LR scheduler are the containers over them (state_dict / load_state_dict). optimizer, lr_scheduler and
+    dataloader may be None (their state is skipped)."""
 
-    def __init__(self, cfg: Checkpoint, *, dump_folder: str | Path, model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, dataloader: Any,
+    def __init__(self, cfg: Checkpoint, *, dump_folder: str | Path, model_parts: list[nn.Module],
+                 optimizer: Any, lr_scheduler: Any, dataloader: Any, pipeline_parallel: bool = False,
                  train_state: TrainState, model_args: Any, world_size: int, rank: int) -> None:
         if cfg.async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode: unknown '{cfg.async_mode}'; use one of {', '.join(ASYNC_MODES)}")
@@ -92,7 +89,8 @@ class CheckpointManager:
                              f"known: {', '.join(cio.STATE_KEYS)}")
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
+        self.pipeline_parallel = pipeline_parallel
         self.dataloader, self.train_state, self.model_args = dataloader, train_state, model_args
         self.world_size, self.rank = world_size, rank
         distributed = dist.is_available() and dist.is_initialized()
@@ -148,14 +146,14 @@ class CheckpointManager:
         flat_model = cio.model_prefix(md) == ""  # a model-only folder written by another tool
         state: dict[str, Any] = {}
         if "model" in wanted:
-            msd = get_model_state_dict(self.model)
+            msd = model_state_dict(self.model_parts)
             if flat_model:
                 state.update(msd)
             else:
                 state["model"] = msd
         if "optimizer" in wanted and "optimizer" in present and self.optimizer is not None:
             # Only now: on a fresh optimizer this initialises its state (a zero-LR step).
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            state["optimizer"] = self.optimizer.state_dict()
         if "lr_scheduler" in wanted and "lr_scheduler" in present and self.lr_scheduler is not None:
             state["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
         if "dataloader" in wanted and "dataloader" in present and self.dataloader is not None:
@@ -182,9 +180,9 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint: loading {path} failed: {cio.one_line(e)}") from e
 
         if "model" in wanted:
-            set_model_state_dict(self.model, state if flat_model else state["model"])
+            load_model_state_dict(self.model_parts, state if flat_model else state["model"])
         if "optimizer" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "dataloader" in state:
@@ -207,16 +205,20 @@ class CheckpointManager:
         # full model in host memory per job instead of one per rank. This path works for FSDP2 DTensors on
         # gloo and NCCL alike; every rank reading the full dict (full_state_dict without broadcast) works
         # too, at world_size times the disk reads and host memory.
-        broadcast = self._pg is not None and self.world_size > 1
+        # With pipeline parallel every rank reads: the ranks hold different parts, and the broadcast is collective.
+        broadcast = self._pg is not None and self.world_size > 1 and not self.pipeline_parallel
         holder: dict[str, Any] = {}
 
         def read() -> None:
             holder["sd"], _ = load_hf(path, self.model_args)
 
-        self._on_rank0(read, f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}")
+        if broadcast:
+            self._on_rank0(read, f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}")
+        else:
+            read()
         sd = holder.get("sd", {})
-        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True,
-                                                                      broadcast_from_rank0=broadcast))
+        load_model_state_dict(self.model_parts, sd, options=StateDictOptions(full_state_dict=True,
+                                                                             broadcast_from_rank0=broadcast))
         logger.info(f"checkpoint: loaded model weights from Hugging Face folder {path} "
                     f"in {time.perf_counter() - t0:.2f}s")
 
@@ -306,9 +308,9 @@ class CheckpointManager:
             self._pending = self._executor.submit(self._purge, path)
 
     def _full_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        state: dict[str, Any] = {"model": model_state_dict(self.model_parts)}
         if self.optimizer is not None:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            state["optimizer"] = self.optimizer.state_dict()
         if self.lr_scheduler is not None:
             # A copy: training mutates the scheduler while a background save is still reading its state.
             state["lr_scheduler"] = copy.deepcopy(self.lr_scheduler.state_dict())
@@ -322,7 +324,7 @@ class CheckpointManager:
         return state
 
     def _model_state(self, dtype: str | None) -> dict[str, Any]:
-        sd = get_model_state_dict(self.model)
+        sd = model_state_dict(self.model_parts)
         if dtype is not None:
             sd = {k: v.detach().to(_DTYPES[dtype]) for k, v in sd.items()}
         return {"model": sd}
@@ -373,7 +375,13 @@ class CheckpointManager:
         self.wait()  # the gather below and the error broadcast must not interleave with a background save
         t0 = time.perf_counter()
         # Collective: every rank contributes its shards, rank 0 receives the full tensors on CPU.
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.pipeline_parallel and self._pg is not None:
+            # Each stage's first rank holds that stage's full tensors; rank 0 collects them all.
+            pieces: list[Any] = [None] * self.world_size if self.rank == 0 else None
+            self.wait()
+            dist.gather_object(full, pieces, dst=0, group=self._pg)
+            full = {k: v for piece in (pieces or []) if piece for k, v in piece.items()}
         out = self.folder / f"step-{step}-hf"
         self._on_rank0(lambda: save_hf(out, full, self.model_args, dtype=self.cfg.export_dtype),
                        f"checkpoint.last_save_in_hf: cannot write {out}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 
@@ -64,3 +65,22 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
     fn = partial(lr_factor, warmup_steps=warmup, stable_end=stable_end, decay_steps=decay_steps,
                  decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+class LRSchedulersContainer:
+    """One scheduler per optimizer of an OptimizersContainer, stepped together. They agree at every step, so the
+    checkpoint holds one state (the first's) and loads it into all: it does not depend on the number of parts."""
+
+    def __init__(self, optimizers, cfg: LRSchedulerConfig, total_steps: int):
+        self.schedulers = [build_lr_scheduler(opt, cfg, total_steps) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(copy.deepcopy(state))

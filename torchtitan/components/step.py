@@ -16,8 +16,8 @@ from torchtitan.distributed.utils import clip_grads_, total_grad_norm
 
 
 def forward_backward_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_parts: list[torch.nn.Module],
+    optimizer,
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
     global_tokens: torch.Tensor,
     *,
@@ -26,26 +26,38 @@ def forward_backward_step(
     device: torch.device,
     autocast=None,
     loss_parallel: bool = False,
+    pipeline=None,
+    pp_mesh=None,
     on_phase: Callable[[str, int | None], None] | None = None,
     should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward every micro-batch, clip, step. Returns (local loss sum, grad norm before clipping).
 
     Every rank divides its loss sum by the same global token count, so summed gradients equal the 1-process
-    gradient. `on_phase(kind, micro_batch)` is told forward / loss / backward (per micro-batch) and optimizer.
+    gradient. With `pipeline` (torchtitan/distributed/pipeline_parallel.py) each micro-batch runs through the
+    pipeline schedule, which cuts it again into pipeline micro-batches; the loss sum is then non-zero only on
+    the rank holding the last stage, and the gradient norm is reduced over `pp_mesh` too.
+    `on_phase(kind, micro_batch)` is told forward / loss / backward (per micro-batch) and optimizer.
     `should_step(local loss sum, grad norm)`, asked after the norm and before clipping, can veto the update
     (the trainer's non-finite check); the gradients are then left as they are for the next zero_grad.
     """
     phase = on_phase or (lambda kind, micro: None)
     optimizer.zero_grad(set_to_none=True)
     local_loss_sum = torch.zeros((), device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     last = len(microbatches) - 1
     for micro, (inputs, labels) in enumerate(microbatches):
         phase("forward", micro)
-        set_gradient_sync(model, micro == last)  # DDP reduces once, after the last micro-batch
         inputs = inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
+        if pipeline is not None:
+            # Forward, loss and backward of every pipeline micro-batch happen inside the schedule; loss parallel
+            # must cover all three.
+            with autocast if autocast is not None else nullcontext(), loss_parallel_context(loss_parallel):
+                local_loss_sum += pipeline.forward_backward(inputs, labels) * global_tokens
+            continue
+        model = model_parts[0]
+        set_gradient_sync(model, micro == last)  # DDP reduces once, after the last micro-batch
         with autocast if autocast is not None else nullcontext():
             logits = model(inputs)
         phase("loss", micro)
@@ -57,8 +69,20 @@ def forward_backward_step(
             (loss_sum / global_tokens).backward()
         local_loss_sum += local_value(loss_sum.detach())
     phase("optimizer", None)
-    grad_norm = total_grad_norm(params)
+    grad_norm = total_grad_norm(params, pp_mesh)
     if should_step is None or should_step(local_loss_sum, grad_norm):
         clip_grads_(params, max_norm, grad_norm)
         optimizer.step()
     return local_loss_sum, grad_norm
+
+
+class ScaledLoss:
+    """The pipeline schedule's loss: loss_fn's sum over a pipeline micro-batch divided by the step's global token
+    count (set before each step), so the schedule's backward yields the same gradients as the loop above."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+        self.global_tokens: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, labels) / self.global_tokens

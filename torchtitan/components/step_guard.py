@@ -24,14 +24,15 @@ class TrainingError(RuntimeError):
 
 
 class StepGuard:
-    def __init__(self, action: str, model: nn.Module, stop_signal: PreemptionFlag, device: torch.device,
-                 train_state) -> None:
+    def __init__(self, action: str, model_parts: list[nn.Module], stop_signal: PreemptionFlag, device: torch.device,
+                 train_state, param_order: dict[str, int] | None = None) -> None:
         """action: what training.on_nonfinite asks for when the loss or gradient norm is NaN or infinite;
         skipped updates are counted in `train_state.skipped_steps` (checkpointed with it)."""
         if action not in NONFINITE_ACTIONS:
             raise ValueError(f"training.on_nonfinite: '{action}' is not one of {', '.join(NONFINITE_ACTIONS)}")
-        self.action, self.model, self.stop_signal, self.device = action, model, stop_signal, device
+        self.action, self.model_parts, self.stop_signal, self.device = action, model_parts, stop_signal, device
         self.train_state = train_state
+        self.param_order = param_order or {}
         self.step = 0
         self.stop_requested = False
 
@@ -55,27 +56,40 @@ class StepGuard:
             logger.warning(f"step {self.step}: {what}: update skipped (training.on_nonfinite=skip; "
                            f"{self.train_state.skipped_steps} skipped so far)")
             return False
-        culprit = first_nonfinite_gradient(self.model, self.device)
+        culprit = first_nonfinite_gradient(self.model_parts, self.device, self.param_order)
         where = f"; first non-finite gradient in backward order: {culprit}" if culprit else ""
         raise TrainingError(f"step {self.step}: {what}{where}; stopping before the update "
                             "(training.on_nonfinite=stop; 'skip' drops such updates instead)")
 
 
-def first_nonfinite_gradient(model: nn.Module, device: torch.device) -> str | None:
+def first_nonfinite_gradient(model_parts: list[nn.Module], device: torch.device,
+                              param_order: dict[str, int] | None = None) -> str | None:
     """The parameter closest to the output whose gradient holds a NaN or infinity on any rank, with the count.
 
     Backward reaches parameters roughly in reverse registration order, so scanning from the end finds where
     non-finite values entered the backward pass (a NaN born in forward makes every gradient non-finite). Runs
-    only after a failed check: one all-reduce of one flag per parameter.
+    only after a failed check. Ranks may hold different parameters (pipeline stages), so each rank reports its
+    own (position in the whole model's `param_order`, name, bad) list and one all_gather_object merges them.
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    if not named:
-        return None
-    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for _, p in named]
-    flags = torch.stack([(~torch.isfinite(g)).any() for g in local]).to(torch.int32).to(device)
+    from torchtitan.components.model_parts import named_parameters  # lazy: model_parts imports the model registry
+
+    order = param_order or {}
+    named = [(order.get(n, i), n, p) for i, (n, p) in enumerate(named_parameters(model_parts)) if p.grad is not None]
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for _, _, p in named]
+    flags = [bool((~torch.isfinite(g)).any()) for g in local]
+    mine = {n: (i, bad) for (i, n, _), bad in zip(named, flags, strict=True)}
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad = [name for (name, _), flag in zip(named, flags.tolist(), strict=True) if flag]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    merged: dict[str, tuple[int, bool]] = {}
+    for part in everyone:
+        for name, (order, bad) in part.items():
+            merged[name] = (order, merged.get(name, (order, False))[1] or bad)
+    if not merged:
+        return None
+    bad = sorted((order, name) for name, (order, flag) in merged.items() if flag)
     if not bad:
         return None
-    return f"{bad[-1]} ({len(bad)} of {len(named)} parameters have non-finite gradients)"
+    return f"{bad[-1][1]} ({len(bad)} of {len(merged)} parameters have non-finite gradients)"

@@ -36,9 +36,11 @@ def validation_shape(cfg: JobConfig) -> tuple[int, int]:
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, loss_mesh, device: torch.device,
                  cache_dir: str | None = None, *, loss_fn=cross_entropy_sum, loss_parallel: bool = False,
-                 eager: bool = False):
-        """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad)."""
+                 eager: bool = False, pp_mesh=None):
+        """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad). With pipeline
+        parallel (`pp_mesh`) the loss comes from the last stage's ranks and is summed over pp."""
         self.cfg, self.tokenizer, self.loss_mesh, self.device = cfg, tokenizer, loss_mesh, device
+        self.pp_mesh = pp_mesh
         self.loss_fn, self.loss_parallel, self.eager = loss_fn, loss_parallel, eager
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.local_batch_size, self.seq_len = validation_shape(cfg)
@@ -65,13 +67,14 @@ class Validator:
         )
 
     @torch.no_grad()
-    def validate(self, model: nn.Module, autocast) -> dict[str, float]:
+    def validate(self, model_parts: list[nn.Module], autocast, pipeline=None) -> dict[str, float]:
         with torch.compiler.set_stance("force_eager") if self.eager else nullcontext():
-            return self._validate(model, autocast)
+            return self._validate(model_parts, autocast, pipeline)
 
-    def _validate(self, model: nn.Module, autocast) -> dict[str, float]:
+    def _validate(self, model_parts: list[nn.Module], autocast, pipeline) -> dict[str, float]:
         loader = self.loader
-        model.eval()
+        for part in model_parts:
+            part.eval()
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         batches = 0
@@ -79,15 +82,20 @@ class Validator:
             if self.cfg.validation.steps != -1 and batches >= self.cfg.validation.steps:
                 break  # every rank yields the same number of batches, so all stop together
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with autocast:
-                logits = model(inputs)
-            with loss_parallel_context(self.loss_parallel):
-                loss_sum += local_value(self.loss_fn(logits, labels))
+            if pipeline is not None:  # forward only, through the stages; the loss on the last one
+                with autocast, loss_parallel_context(self.loss_parallel):
+                    loss_sum += pipeline.eval_loss_sum(inputs, labels, self.loss_fn)
+            else:
+                with autocast:
+                    logits = model_parts[0](inputs)
+                with loss_parallel_context(self.loss_parallel):
+                    loss_sum += local_value(self.loss_fn(logits, labels))
             tokens += count_target_tokens(labels)
             batches += 1
-        reshard(model)  # see distributed/fsdp.py: gathered parameters would break the next training step
-        model.train()
-        total_loss = dist_utils.all_reduce(loss_sum, self.loss_mesh, "sum")
+        for part in model_parts:
+            reshard(part)  # see distributed/fsdp.py: gathered parameters would break the next training step
+            part.train()
+        total_loss = dist_utils.all_reduce(dist_utils.all_reduce(loss_sum, self.pp_mesh, "sum"), self.loss_mesh, "sum")
         total_tokens = dist_utils.all_reduce(tokens, self.loss_mesh, "sum")
         if int(total_tokens) == 0:
             raise ValueError("validation: the validation data produced no target tokens")

@@ -120,15 +120,17 @@ class Parallelism:
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with matmuls via inductor and symmetric memory (CUDA, needs compile.enable)"""
     pipeline_parallel_degree: int = 1
-    """Pipeline-parallel degree (not available yet)"""
+    """Pipeline-parallel degree: ranks the model's stages are spread over (outermost mesh dim)"""
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule name (not available yet)"""
+    """GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble | DualPipeV (or CSV, below)"""
+    pipeline_parallel_schedule_csv: str = ""
+    """Custom schedule: compute-only CSV, a row of actions (0F0, 1B0..) per pp rank; schedule PipelineScheduleMulti"""
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline micro-batch (not available yet)"""
+    """Sequences per pipeline micro-batch (local_batch_size / this = micro-batches per schedule step)"""
     pipeline_parallel_layers_per_stage: int | None = None
-    """Transformer blocks per pipeline stage (None = split evenly; not available yet)"""
+    """Transformer blocks per pipeline stage (None = 1 stage per rank, 2 for multi-stage schedules, split evenly)"""
     module_fqns_per_model_part: list[list[str]] | None = None
-    """Explicit module names for each pipeline model part (not available yet)"""
+    """Module names of each pipeline stage, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]"""
     context_parallel_degree: int = 1
     """Context-parallel degree (not available yet)"""
     context_parallel_rotate_method: str = "allgather"

@@ -16,6 +16,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.validate import check_resolved
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import PipelinePlan, plan_pipeline
 
 __all__ = ["Resolved", "resolve"]
 
@@ -28,6 +29,8 @@ class Resolved:
     """Degrees of every mesh dimension, dp_shard resolved; the mesh itself is built later, by the trainer"""
     grad_accum_steps: int
     """Micro-batches (of training.local_batch_size sequences) per optimizer step on each data-parallel rank"""
+    pipeline: PipelinePlan | None = None
+    """The stage split and schedule when parallelism.pipeline_parallel_degree > 1"""
 
 
 def resolve(cfg: JobConfig, world_size: int) -> Resolved:
@@ -52,4 +55,27 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             f"data-parallel degree = {t.local_batch_size} x {parallel_dims.dp_degree} = {per_microstep}"
         )
     check_resolved(cfg)
-    return Resolved(parallel_dims=parallel_dims, grad_accum_steps=t.global_batch_size // per_microstep)
+    pipeline = None
+    if parallel_dims.pp == 1:
+        _check_no_pipeline_keys(cfg)
+    else:
+        from torchtitan.models.registry import get_model_spec  # lazy: pulls in torch
+
+        spec = get_model_spec(cfg.model.name)
+        args = spec.flavors[cfg.model.flavor]
+        # Validation walks the stages forward only, in micro-batches of any count (pipeline_parallel.py).
+        batches = {"training.local_batch_size": t.local_batch_size}
+        pipeline = plan_pipeline(cfg.parallelism, args.n_layers, batches, args.tie_word_embeddings,
+                                 spec.pipeline_input_fqns, spec.pipeline_output_fqns)
+    return Resolved(parallel_dims=parallel_dims, grad_accum_steps=t.global_batch_size // per_microstep,
+                    pipeline=pipeline)
+
+
+def _check_no_pipeline_keys(cfg: JobConfig) -> None:
+    """Pipeline keys set without a pipeline would be read by nothing: most likely the degree was forgotten."""
+    p, default = cfg.parallelism, type(cfg.parallelism)()
+    for key in ("pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                "pipeline_parallel_layers_per_stage", "module_fqns_per_model_part"):
+        if getattr(p, key) != getattr(default, key):
+            raise ConfigError(f"parallelism.{key}: set, but parallelism.pipeline_parallel_degree is 1 (it applies "
+                              "only to pipeline-parallel runs)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.pipeline_parallel import SCHEDULES
 
 
 def _err(msg: str) -> None:
@@ -38,11 +39,6 @@ def _not_yet(key: str, what: str) -> None:
 # nothing would run something other than what the file asks for. tests/unit/test_config_keys_used.py holds every
 # key to this: read by the code, or refused here.
 NOT_YET: dict[str, str] = {
-    "parallelism.pipeline_parallel_degree": "pipeline parallel",
-    "parallelism.pipeline_parallel_schedule": "pipeline parallel",
-    "parallelism.pipeline_parallel_microbatch_size": "pipeline parallel",
-    "parallelism.pipeline_parallel_layers_per_stage": "pipeline parallel",
-    "parallelism.module_fqns_per_model_part": "pipeline parallel",
     "parallelism.context_parallel_degree": "context parallel",
     "parallelism.context_parallel_rotate_method": "context parallel",
     "parallelism.expert_parallel_degree": "expert parallel",
@@ -138,6 +134,7 @@ def _check_parallelism(cfg: JobConfig) -> None:
     p = cfg.parallelism
     _one_of("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, ("default", "always", "never"))
     _one_of("parallelism.context_parallel_rotate_method", p.context_parallel_rotate_method, ("allgather", "alltoall"))
+    _one_of("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule, SCHEDULES)
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         _err(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {p.data_parallel_shard_degree}")
     for key in (

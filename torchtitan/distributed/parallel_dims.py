@@ -126,8 +126,9 @@ class ParallelDims:
     @property
     def ddp_enabled(self) -> bool:
         """Pure replication: DDP when nothing shards parameters. With TP, replication is HSDP with shard
-        degree 1 instead: DDP does not take DTensor parameters."""
-        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and self.tp == 1
+        degree 1 instead: DDP does not take DTensor parameters. With pipeline parallel too: a stage runs several
+        backwards per step, and only FSDP's gradient sync is switched per micro-batch by torch's pipeline stage."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and self.tp == 1 and self.pp == 1
 
     @property
     def fsdp_enabled(self) -> bool:

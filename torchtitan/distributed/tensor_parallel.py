@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import warnings
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -98,6 +99,11 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool) -> nn.Module:
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if getattr(model, "tok_embeddings", None) is None:
+        # A later pipeline stage receives the sequence-sharded residual stream as its local shard (stages send
+        # plain tensors, torchtitan/distributed/pipeline_parallel.py): make it the Shard(1) DTensor the blocks'
+        # residual adds expect. The backward of from_local hands the previous stage the local gradient shard.
+        model.register_forward_pre_hook(partial(_sequence_sharded_input, tp_mesh))
     if tied:
         # Row-wise embedding and column-wise output both shard the shared [vocab, dim] matrix on dim 0, so one
         # DTensor serves both; parallelize_module replaced it twice, so restore the single shared parameter.
@@ -111,6 +117,12 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool) -> nn.Module:
     logger.info(f"applied tensor parallel over {tp_mesh.size()} ranks with sequence parallel, "
                 f"loss parallel {'on' if loss_parallel else 'off'}")
     return model
+
+
+def _sequence_sharded_input(tp_mesh, module, args):
+    if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DTensor):
+        return (DTensor.from_local(args[0], tp_mesh, (Shard(1),), run_check=False), *args[1:])
+    return None
 
 
 def _is_tied(model: nn.Module) -> bool:

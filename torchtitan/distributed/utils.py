@@ -151,7 +151,7 @@ def mixed_precision_autocast(parallel_dims, param_dtype: str, device_type: str):
     return contextlib.nullcontext()
 
 
-def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+def total_grad_norm(parameters: Iterable[torch.nn.Parameter], pp_mesh=None) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor or plain), accumulated in float64, the same on every rank.
 
     Accumulated in float64 because the CPU float32 norm kernel sums one long sequential chain: on an
@@ -160,7 +160,8 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     pipeline stages later) are reduced per mesh and combined as a sum of squares: DTensor cannot stack
     values of different meshes. For a DTensor group, `full_tensor()` reduces the partial norm over every
     mesh dimension the gradients are sharded on, in one all-reduce where a flattened group exists (see
-    docs/architecture.md, 'Gradient clipping').
+    docs/architecture.md, 'Gradient clipping'). With pipeline parallel each rank holds other stages'
+    parameters: the squares are then summed over `pp_mesh` as well.
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
@@ -173,9 +174,11 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
         squares.append(group_norm.square())
-    if not squares:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        total = total.to(pp_mesh.device_type)  # NCCL reduces device tensors only
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return total.sqrt()
 
 
 def clip_grads_(parameters: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:

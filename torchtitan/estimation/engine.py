@@ -11,16 +11,15 @@ plus the first step's one-time allocations.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.model_parts import build_model_parts, model_args_for
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
@@ -93,26 +92,23 @@ def _storage_ids(tensors) -> set[int]:
     return out
 
 
-def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str, n_layers: int | None = None):
-    """The trainer's model on `meta`, parallelized as in training, for the current (fake or real) process group.
+def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str, n_layers: int | None = None,
+                         *, ddp: bool = True):
+    """This rank's model parts on `meta`, built by the trainer's own path (components/model_parts.py) for the
+    current (fake or real) process group. `ddp=False` for fake tensors: see build_model_parts.
 
-    Returns (model, model_args, loss_parallel)."""
+    Returns (model parts, model_args, loss_parallel)."""
     parallel_dims.build_mesh("cpu")
     # Compile changes kernels, not what is allocated at the step level; estimate the eager program.
     cfg = copy.deepcopy(cfg)
     cfg.compile.enable = False
     cfg.parallelism.enable_async_tensor_parallel = False
-    spec = get_model_spec(cfg.model.name)
-    model_args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
-    if n_layers is not None:
-        model_args = dataclasses.replace(model_args, n_layers=n_layers)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
+    model_args = model_args_for(cfg, n_layers)
     # Parallelize outside FakeTensorMode: inside, FSDP + TP setup fails (see docs/architecture.md,
     # 'Memory estimation reuses the trainer').
-    model = spec.parallelize_fn(model, parallel_dims, cfg, _param_dtype(cfg, device_type))
+    parts = build_model_parts(cfg, parallel_dims, None, _param_dtype(cfg, device_type), model_args, ddp=ddp)
     loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
-    return model, model_args, loss_parallel
+    return parts, model_args, loss_parallel
 
 
 def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",
@@ -131,53 +127,37 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        spec = get_model_spec(cfg.model.name)
-        with _ddp_stand_in(spec.parallelize_fn) if parallel_dims.ddp_enabled else nullcontext():
-            model, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers)
+        parts, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers, ddp=False)
         # The fake run is on CPU tensors, so the autocast (if any) is CPU's, with the target's parameter dtype.
         autocast = mixed_precision_autocast(parallel_dims, _param_dtype(cfg, device_type), "cpu")
         tracker = MemoryTracker()
         with TrackingFakeTensorMode(tracker, allow_non_fake_inputs=True):
-            model.to_empty(device="cpu")
-            with torch.no_grad():
-                # Only restores tied weights and the rotary table: values do not matter for memory.
-                model.init_weights(buffer_device=torch.device("cpu"), param_init=lambda p, fill: None)
-            optimizer = build_optimizer(model, cfg.optimizer, device_type)
+            for part in parts:
+                part.to_empty(device="cpu")
+                with torch.no_grad():
+                    # Only restores tied weights and the rotary table: values do not matter for memory.
+                    part.init_weights(buffer_device=torch.device("cpu"), param_init=lambda p, fill: None)
+            optimizer = OptimizersContainer(parts, cfg.optimizer, device_type)
             if steps == 1:
-                _create_optimizer_state(model, optimizer)
-            for t in [*model.parameters(), *model.buffers(), *_optimizer_tensors(optimizer)]:
+                _create_optimizer_state(parts, optimizer)
+            params = [p for part in parts for p in part.parameters()]
+            for t in [*params, *(b for part in parts for b in part.buffers()), *_optimizer_tensors(optimizer)]:
                 tracker.track(t)
             with tracker, untracked_dtensor_metadata(tracker):
-                run_steps(model, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, tracker.set_phase,
+                run_steps(parts, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, tracker.set_phase,
                           steps=steps, autocast=autocast)
-            est = _summarise(tracker, model, optimizer, rank, world_size, time.perf_counter() - start)
+            est = _summarise(tracker, params, optimizer, rank, world_size, time.perf_counter() - start)
             if parallel_dims.ddp_enabled:
-                _add_ddp_buckets(est, model)
+                _add_ddp_buckets(est, params)
             return est
     finally:
         dist.destroy_process_group()
 
 
-@contextmanager
-def _ddp_stand_in(parallelize_fn):
-    """DDP's C++ reducer reads real storage when it builds its buckets, which fake tensors do not have. Build the
-    model through the trainer's parallelize function with DDP's wrapper left out; _add_ddp_buckets adds what the
-    reducer allocates."""
-    namespace = parallelize_fn.__globals__
-    if "apply_ddp" not in namespace:
-        raise ValueError("the memory estimator cannot model this model's DDP wrapper")
-    original = namespace["apply_ddp"]
-    namespace["apply_ddp"] = lambda model, mesh, **kwargs: model
-    try:
-        yield
-    finally:
-        namespace["apply_ddp"] = original
-
-
-def _add_ddp_buckets(est: Estimate, model) -> None:
+def _add_ddp_buckets(est: Estimate, params) -> None:
     """DDP (gradient_as_bucket_view off) keeps one flat bucket copy of every gradient, in the parameters' dtype,
     from its first forward on: a constant that is alive in every phase of every step."""
-    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buckets = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     for peak in est.step_peaks.values():
         if peak.phase != "setup":
             peak.bytes += buckets
@@ -188,16 +168,16 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
-def _create_optimizer_state(model, optimizer) -> None:
+def _create_optimizer_state(parts, optimizer) -> None:
     """One optimizer step on zero gradients, untracked: the tracked step then starts in the steady state (moments
     allocated) while still paying the first step's lazy initialisations, so one step covers both cases."""
-    for p in model.parameters():
+    for p in (p for part in parts for p in part.parameters()):
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_steps(model, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
+def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
               set_phase, steps: int = 2, autocast=None) -> None:
     """`steps` training steps on random tokens through the trainer's own step (forward_backward_step). Shared by
     the estimator (fake tensors) and the accuracy tests (real ones)."""
@@ -209,7 +189,7 @@ def run_steps(model, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
 
         microbatches = [(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
                         for _ in range(grad_accum)]
-        forward_backward_step(model, optimizer, microbatches, torch.tensor(b * s * grad_accum),
+        forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
                               loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
                               device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,
                               on_phase=on_phase)
@@ -217,9 +197,9 @@ def run_steps(model, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
         set_phase(f"between steps (step {step})")
 
 
-def _summarise(tracker: MemoryTracker, model, optimizer, rank: int, world_size: int, seconds: float) -> Estimate:
+def _summarise(tracker: MemoryTracker, params, optimizer, rank: int, world_size: int, seconds: float) -> Estimate:
     timeline = tracker.timeline
-    params = list(model.parameters())
+    params = list(params)
     param_ids = _storage_ids(params)
     grad_ids = _storage_ids(p.grad for p in params)
     state = _optimizer_tensors(optimizer)

@@ -24,11 +24,14 @@ class ModelSpec:
     """flavor name -> model-args dataclass instance"""
     model_cls: type[nn.Module]
     parallelize_fn: Callable[..., nn.Module]
-    """(model, parallel_dims, job_config) -> model with TP/AC/compile/FSDP applied"""
+    """(model or stage, parallel_dims, job_config, param_dtype, ddp=True) -> it with TP/AC/compile/FSDP/DDP"""
     nparams_and_flops_fn: Callable[[nn.Module, Any, int], tuple[int, int]]
     """(model, model_args, seq_len) -> (total parameters, training FLOPs per token)"""
-    pipelining_fn: Callable[..., Any] | None = None
     state_dict_adapter: type | None = None
+    pipeline_input_fqns: tuple[str, ...] = ()
+    """modules before the blocks (`layers.<i>`), on the first pipeline stage"""
+    pipeline_output_fqns: tuple[str, ...] = ()
+    """modules after the blocks, on the last pipeline stage"""
 
 
 def register_model_spec(spec: ModelSpec) -> None:

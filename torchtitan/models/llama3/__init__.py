@@ -14,6 +14,8 @@ register_model_spec(
         parallelize_fn=parallelize_llama,
         nparams_and_flops_fn=get_nparams_and_flops,
         state_dict_adapter=Llama3StateDictAdapter,
+        pipeline_input_fqns=("tok_embeddings",),
+        pipeline_output_fqns=("norm", "output"),
     )
 )
 

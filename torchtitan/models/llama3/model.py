@@ -88,6 +88,8 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     checkpoint converter must permute the output rows of wq and wk between the two layouts.
     """
     seq_len = x.shape[1]
+    if seq_len > freqs_cis.shape[0]:
+        raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {freqs_cis.shape[0]}")
     # One complex multiply per pair: measured 6x faster than the same rotation spelled out in real parts
     # (unbind, four multiplies, stack) for forward + backward on CPU, and bit-identical to it.
     # In fp32: with bf16 activations the rotation error would grow with the angle size.
@@ -285,15 +287,14 @@ class Transformer(nn.Module):
                 fill(self.output.weight, _trunc_normal(self.model_args.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # Sequence length from the input (never from an embedded, possibly sequence-sharded,
-        # activation): tokens are [B, S] and stage inputs are [B, S, dim].
-        seq_len = tokens.shape[1]
-        if seq_len > self.freqs_cis.shape[0]:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        # The whole rotary table goes to the blocks, which take the rows they need from the sequence length inside
+        # attention: a pipeline stage's input may be a sequence-sharded activation (tensor parallel), whose
+        # length is not the sequence's.
+        if tokens.dim() == 2 and tokens.shape[1] > self.freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.freqs_cis.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        freqs_cis = self.freqs_cis[:seq_len]
         for layer in self.layers.values():
-            h = layer(h, freqs_cis)
+            h = layer(h, self.freqs_cis)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

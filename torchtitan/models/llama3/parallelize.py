@@ -1,5 +1,6 @@
-"""Apply parallelisms to a Llama model in the house order: TP -> CP -> AC -> compile -> FSDP/HSDP or DDP
-(or no data-parallel wrapper when the data-parallel degree is 1).
+"""Apply parallelisms to a Llama model (or one pipeline stage of it) in the house order: TP -> CP -> AC ->
+compile -> FSDP/HSDP or DDP (or no data-parallel wrapper when the data-parallel degree is 1). Pipeline parallel
+cuts the stages before this runs (torchtitan/components/model_parts.py).
 
 CP is rejected by config validation until its issue lands.
 """
@@ -17,7 +18,9 @@ from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                      param_dtype: str) -> nn.Module:
+                      param_dtype: str, *, ddp: bool = True) -> nn.Module:
+    """`model` is the whole model or one pipeline stage of it (modules outside the stage are None / absent).
+    `ddp=False` leaves DDP out (the memory estimator accounts for its buckets itself)."""
     p = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh("tp")
@@ -36,7 +39,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward,
         )
-    if parallel_dims.ddp_enabled:
+    if parallel_dims.ddp_enabled and ddp:
         return apply_ddp(model, parallel_dims.mesh("dp_replicate"),
                          reduce_dtype=job_config.training.mixed_precision_reduce)
     return model
