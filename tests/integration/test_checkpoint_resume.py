@@ -103,6 +103,34 @@ def test_resume_on_one_unwrapped_process_both_ways(straight_fsdp4, pools, tmp_pa
     assert not problems, problems[:5]
 
 
+PP2_FSDP2 = (*dp(4, 2), "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
+PP4 = (*dp(8, 1), "--parallelism.pipeline_parallel_degree", "4")
+
+
+def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
+    """FSDP 4 step 6 -> PP 2 x FSDP 2 with 2 stages per rank (saves step 9, exports Hugging Face at 12) -> both
+    FSDP 4 and PP 4 (one block per stage) from its step 9: every change of the stage split continues the curve."""
+    from torchtitan.components.hf_io import load_hf
+    from torchtitan.models.llama3 import Transformer
+
+    folder, straight = straight_fsdp4
+    pp_run, back, pp4 = tmp_path / "pp2_fsdp2", tmp_path / "fsdp4", tmp_path / "pp4"
+    _resume_from(folder, 6, pp_run)
+    resumed = train_layout(pools, 4, (*CKPT, *PP2_FSDP2, "--checkpoint.interval", "3",
+                                      "--checkpoint.last_save_in_hf", "true"), pp_run)
+    problems = compare(resumed, _from_step(straight, 7))
+    assert not problems, problems[:5]
+    # The export gathers every stage's weights on rank 0: a complete model that loads strictly.
+    state, model_args = load_hf(pp_run / "checkpoint" / f"step-{STEPS}-hf")
+    Transformer(model_args).load_state_dict(state, strict=True)
+    for dest, nproc, layout in ((back, 4, FSDP4), (pp4, 4, PP4)):
+        _resume_from(pp_run, 9, dest)
+        again = train_layout(pools, nproc, (*CKPT, *layout), dest)
+        problems = compare(again, _from_step(straight, 10))
+        assert not problems, (dest.name, problems[:5])
+
+
 EXTEND = (*dp(4, 2), "--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.decay_ratio", "0")
 
 

@@ -74,6 +74,7 @@ class CheckpointManager:
 
     def __init__(self, cfg: Checkpoint, *, dump_folder: str | Path, model_parts: list[nn.Module],
                  optimizer: Any, lr_scheduler: Any, dataloader: Any, pipeline_parallel: bool = False,
+                 stage_export_sender: bool = True,
                  train_state: TrainState, model_args: Any, world_size: int, rank: int) -> None:
         if cfg.async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode: unknown '{cfg.async_mode}'; use one of {', '.join(ASYNC_MODES)}")
@@ -90,7 +91,9 @@ class CheckpointManager:
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
-        self.pipeline_parallel = pipeline_parallel
+        # With pipeline parallel: whether this rank sends its stages' weights to rank 0 for a Hugging Face export
+        # (one rank per stage: coordinate 0 on every mesh dim but pp).
+        self.pipeline_parallel, self.stage_export_sender = pipeline_parallel, stage_export_sender
         self.dataloader, self.train_state, self.model_args = dataloader, train_state, model_args
         self.world_size, self.rank = world_size, rank
         distributed = dist.is_available() and dist.is_initialized()
@@ -375,13 +378,17 @@ class CheckpointManager:
         self.wait()  # the gather below and the error broadcast must not interleave with a background save
         t0 = time.perf_counter()
         # Collective: every rank contributes its shards, rank 0 receives the full tensors on CPU.
-        full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.pipeline_parallel and self._pg is not None:
-            # Each stage's first rank holds that stage's full tensors; rank 0 collects them all.
+            # Rank 0 holds only its own stages. Every rank gathers its stages' full tensors (cpu_offload would keep
+            # them on global rank 0 only), one rank per stage sends them, and rank 0 merges.
+            full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True))
+            mine = {k: v.detach().cpu() for k, v in full.items()} if self.stage_export_sender else {}
+            del full
             pieces: list[Any] = [None] * self.world_size if self.rank == 0 else None
-            self.wait()
-            dist.gather_object(full, pieces, dst=0, group=self._pg)
+            dist.gather_object(mine, pieces, dst=0, group=self._pg)
             full = {k: v for piece in (pieces or []) if piece for k, v in piece.items()}
+        else:
+            full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True, cpu_offload=True))
         out = self.folder / f"step-{step}-hf"
         self._on_rank0(lambda: save_hf(out, full, self.model_args, dtype=self.cfg.export_dtype),
                        f"checkpoint.last_save_in_hf: cannot write {out}")
