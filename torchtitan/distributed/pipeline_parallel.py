@@ -261,7 +261,7 @@ class Pipeline:
                  local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         """`parts` are this rank's model parts in plan.stage_ids(pp rank) order, materialised and parallelized;
         `loss_fn(logits, labels)` returns the loss already scaled for the backward (a sum / global tokens)."""
-        self.plan, self.parts, self.pp_mesh, self.device = plan, parts, pp_mesh, device
+        self.plan, self.parts, self.pp_mesh, self.device, self.loss_fn = plan, parts, pp_mesh, device, loss_fn
         self.pp_rank = pp_mesh.get_local_rank()
         self.stage_ids = plan.stage_ids(self.pp_rank)
         self.has_first = 0 in self.stage_ids

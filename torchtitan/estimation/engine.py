@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.model_parts import build_model_parts, model_args_for
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.step import forward_backward_step
+from torchtitan.components.step import ScaledLoss, forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan
 from torchtitan.distributed.utils import mixed_precision_autocast
+from torchtitan.estimation.pipeline import PipelineActions
 from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
@@ -93,7 +95,7 @@ def _storage_ids(tensors) -> set[int]:
 
 
 def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str, n_layers: int | None = None,
-                         *, ddp: bool = True):
+                         *, ddp: bool = True, pipeline: PipelinePlan | None = None):
     """This rank's model parts on `meta`, built by the trainer's own path (components/model_parts.py) for the
     current (fake or real) process group. `ddp=False` for fake tensors: see build_model_parts.
 
@@ -106,7 +108,7 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
     model_args = model_args_for(cfg, n_layers)
     # Parallelize outside FakeTensorMode: inside, FSDP + TP setup fails (see docs/architecture.md,
     # 'Memory estimation reuses the trainer').
-    parts = build_model_parts(cfg, parallel_dims, None, _param_dtype(cfg, device_type), model_args, ddp=ddp)
+    parts = build_model_parts(cfg, parallel_dims, pipeline, _param_dtype(cfg, device_type), model_args, ddp=ddp)
     loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
     return parts, model_args, loss_parallel
 
@@ -127,7 +129,8 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        parts, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers, ddp=False)
+        parts, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers, ddp=False,
+                                                                pipeline=resolved.pipeline)
         # The fake run is on CPU tensors, so the autocast (if any) is CPU's, with the target's parameter dtype.
         autocast = mixed_precision_autocast(parallel_dims, _param_dtype(cfg, device_type), "cpu")
         tracker = MemoryTracker()
@@ -143,9 +146,14 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
             params = [p for part in parts for p in part.parameters()]
             for t in [*params, *(b for part in parts for b in part.buffers()), *_optimizer_tensors(optimizer)]:
                 tracker.track(t)
+            pipeline = build_pipeline(resolved.pipeline, parts, parallel_dims, cfg, torch.device("cpu"))
+            if pipeline is not None:
+                n_microbatches = resolved.pipeline.n_microbatches(cfg.training.local_batch_size)
+                pipeline = PipelineActions(pipeline, n_microbatches, _hidden_shape(cfg, parallel_dims, model_args),
+                                           _hidden_dtype(cfg, parallel_dims, device_type))
             with tracker, untracked_dtensor_metadata(tracker):
                 run_steps(parts, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, tracker.set_phase,
-                          steps=steps, autocast=autocast)
+                          steps=steps, autocast=autocast, pipeline=pipeline, pp_mesh=_pp_mesh(parallel_dims))
             est = _summarise(tracker, params, optimizer, rank, world_size, time.perf_counter() - start)
             if parallel_dims.ddp_enabled:
                 _add_ddp_buckets(est, params)
@@ -177,8 +185,32 @@ def _create_optimizer_state(parts, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _hidden_shape(cfg: JobConfig, parallel_dims: ParallelDims, model_args) -> tuple[int, int, int]:
+    # Between stages a rank holds its sequence shard of the residual stream (sequence parallel under TP).
+    return (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len // parallel_dims.tp,
+            model_args.dim)
+
+
+def _hidden_dtype(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str) -> torch.dtype:
+    # FSDP's bf16 policy makes block outputs bf16; under autocast the fp32 residual stream stays fp32.
+    bf16 = parallel_dims.fsdp_enabled and _param_dtype(cfg, device_type) == "bfloat16"
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def _pp_mesh(parallel_dims: ParallelDims):
+    return parallel_dims.mesh("pp") if parallel_dims.pp > 1 else None
+
+
+def build_pipeline(plan: PipelinePlan | None, parts, parallel_dims: ParallelDims, cfg: JobConfig, device):
+    """The trainer's Pipeline over `parts` (None without pipeline parallel), with the trainer's scaled loss."""
+    if plan is None:
+        return None
+    return Pipeline(plan, parts, parallel_dims.mesh("pp"), device, cfg.training.local_batch_size,
+                    ScaledLoss(cross_entropy_sum))
+
+
 def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
-              set_phase, steps: int = 2, autocast=None) -> None:
+              set_phase, steps: int = 2, autocast=None, pipeline=None, pp_mesh=None) -> None:
     """`steps` training steps on random tokens through the trainer's own step (forward_backward_step). Shared by
     the estimator (fake tensors) and the accuracy tests (real ones)."""
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
@@ -189,10 +221,13 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
 
         microbatches = [(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
                         for _ in range(grad_accum)]
-        forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
+        global_tokens = torch.tensor(b * s * grad_accum)
+        if pipeline is not None:
+            pipeline.loss_fn.global_tokens = global_tokens
+        forward_backward_step(parts, optimizer, microbatches, global_tokens,
                               loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
                               device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,
-                              on_phase=on_phase)
+                              pipeline=pipeline, pp_mesh=pp_mesh, on_phase=on_phase)
         del microbatches
         set_phase(f"between steps (step {step})")
 
@@ -266,7 +301,8 @@ def estimate(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = 
     on the debug model). It keeps 70B at 64 ranks to seconds instead of minutes on a laptop.
     """
     n_layers = get_model_spec(cfg.model.name).flavors[cfg.model.flavor].n_layers
-    samples = None if exact else sample_layer_counts(cfg, n_layers)
+    # A pipeline stage holds a fixed slice of the blocks (the plan is cut for the model's depth): run it exactly.
+    samples = None if exact or cfg.parallelism.pipeline_parallel_degree > 1 else sample_layer_counts(cfg, n_layers)
     if samples is None:
         return estimate_rank(cfg, world_size, rank, device_type)
     low, high = (estimate_rank(cfg, world_size, rank, device_type, n_layers=n) for n in samples)
