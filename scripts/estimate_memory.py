@@ -38,7 +38,9 @@ def _host_memory_gib() -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (NGPU x NNODES)")
-    parser.add_argument("--rank", type=int, default=0, help="which rank to estimate (ranks of FSDP/TP are alike)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="which rank to estimate (default 0; with pipeline parallel, one rank of every stage, "
+                             "the worst reported)")
     parser.add_argument("--device", default="h100", help="target device from the table, or cpu")
     parser.add_argument("--memory-gib", type=float, default=None, help="device memory, overriding the table")
     parser.add_argument("--reserve-gib", type=float, default=None,
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {opts.world_size}")
-        if not 0 <= opts.rank < opts.world_size:
+        if opts.rank is not None and not 0 <= opts.rank < opts.world_size:
             raise ConfigError(f"--rank {opts.rank} is outside the world of {opts.world_size} ranks")
         # Resolved as the trainer resolves it, so the layout and batch printed are the ones estimated.
         cfg, resolved = load_config(config_args, opts.world_size)
@@ -64,7 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     reserve = opts.reserve_gib
     if reserve is None:
         reserve = 0.0 if target == "cpu" else DEFAULT_GPU_RESERVE_GIB
-    est = estimate(cfg, opts.world_size, opts.rank, target, exact=opts.exact)
+    ranks = [opts.rank or 0]
+    if opts.rank is None and resolved.pipeline is not None:
+        # pp is the outermost mesh dimension: pipeline rank r's first rank is r x (world / pp).
+        ranks = [r * (opts.world_size // parallel_dims.pp) for r in range(parallel_dims.pp)]
+    per_rank = [estimate(cfg, opts.world_size, rank, target, exact=opts.exact) for rank in ranks]
+    est = max(per_rank, key=lambda e: e.peak_bytes)
+    stages = []
+    if resolved.pipeline is not None:
+        plan = resolved.pipeline
+        for e in per_rank:
+            pp_rank = e.rank // (opts.world_size // parallel_dims.pp)
+            names = [f"{s} ({plan.module_fqns[s][0]}..{plan.module_fqns[s][-1]})" for s in plan.stage_ids(pp_rank)]
+            stages.append({"pp_rank": pp_rank, "rank": e.rank, "stages": names, "peak_bytes": e.peak_bytes,
+                           "peak_phase": e.peak_phase})
     dtype = cfg.training.mixed_precision_param if target == "cuda" else "float32"
     closed_form = analytic(cfg, parallel_dims, est, 2 if dtype == "bfloat16" else 4)
     pd = parallel_dims
@@ -72,9 +87,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.model.name}/{cfg.model.flavor}, batch {cfg.training.local_batch_size} x seq "
               f"{cfg.training.seq_len} x {resolved.grad_accum_steps} accumulation steps, "
               f"AC {cfg.activation_checkpoint.mode}, {dtype}")
+    if resolved.pipeline is not None:
+        layout += f", pp {parallel_dims.pp} ({resolved.pipeline.schedule})"
     if opts.json:
-        print(json.dumps(as_json(est, closed_form, capacity, reserve, opts.device, layout)))
+        print(json.dumps({**as_json(est, closed_form, capacity, reserve, opts.device, layout),
+                          "pipeline_stages": stages}))
     else:
+        if stages:
+            print("peak per pipeline rank (its stages):")
+            for st in stages:
+                worst = "  <- worst, reported below" if st["rank"] == est.rank else ""
+                print(f"  pp rank {st['pp_rank']} (rank {st['rank']}), stages {', '.join(st['stages'])}: "
+                      f"{st['peak_bytes'] / 2**30:.2f} GiB during {st['peak_phase']}{worst}")
         print(render(est, closed_form, capacity, reserve, opts.device, layout))
     return 0
 

@@ -166,8 +166,25 @@ def test_script_json_and_verdict(capsys):
     assert code == 0 and "verdict: DOES NOT FIT" in out and "alive at the peak" in out
 
 
+def test_script_reports_every_pipeline_stage_and_the_worst(capsys):
+    args = ["--world-size", "4", "--device", "cpu", *BASE, "--parallelism.pipeline_parallel_degree", "2",
+            "--training.local_batch_size", "4"]
+    code, out, _ = _script([*args, "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    stages = report["pipeline_stages"]
+    assert [(s["pp_rank"], s["rank"]) for s in stages] == [(0, 0), (1, 2)]
+    assert stages[0]["stages"][0].startswith("0 (tok_embeddings") and stages[1]["stages"][0].endswith("..output)")
+    worst = max(stages, key=lambda s: s["peak_bytes"])
+    assert (report["rank"], report["peak_bytes"]) == (worst["rank"], worst["peak_bytes"])
+    code, out, _ = _script(args, capsys)
+    assert code == 0 and "<- worst, reported below" in out and "pp 2 (1F1B)" in out
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--world-size", "3", "--parallelism.tensor_parallel_degree", "2"], "does not divide the world size 3"),
+    (["--world-size", "2", "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1"],
+     "fewer than the 2 pipeline stages"),
     (["--world-size", "8", "--device", "tpu9"], "unknown device 'tpu9'"),
     (["--world-size", "2", "--rank", "2"], "--rank 2 is outside the world of 2 ranks"),
     (["--world-size", "2", "--training.stepz", "3"], "training.stepz"),
