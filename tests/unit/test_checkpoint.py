@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from tests.unit.forked import run_ranks
 from torchtitan.components import checkpoint_io as cio
-from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState, checkpoint_step_folders
 from torchtitan.components.hf_io import load_hf, save_hf
 from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.distributed import utils as dist_utils

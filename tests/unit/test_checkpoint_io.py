@@ -130,7 +130,8 @@ def test_convert_script(tmp_path: Path, capsys) -> None:
     # The converted folder initialises a run (model only).
     other = Transformer(args)
     mgr = CheckpointManager(Checkpoint(initial_load_path=str(tmp_path / "back" / "step-0")), dump_folder=tmp_path,
-                            model_parts=[other], optimizer=None, lr_scheduler=None, dataloader=None, train_state=TrainState(),
+                            model_parts=[other], optimizer=None, lr_scheduler=None, dataloader=None,
+                            train_state=TrainState(),
                             model_args=args, world_size=1, rank=0)
     assert mgr.load()
     assert_same(other.state_dict(), want)
