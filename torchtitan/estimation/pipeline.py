@@ -1,16 +1,16 @@
 """A pipeline stage's step for the memory estimator: the schedule's own actions for this rank, run on fake tensors.
 
 torch's pipeline stages infer shapes and exchange buffers with their neighbours at the first step, which fake
-tensors and the fake process group cannot do (a data-dependent read). The memory a stage needs does not depend
-on the neighbours' values, only on when each micro-batch's activations are created and freed, and the schedule
-says that: `schedule.pipeline_order[pp rank]` of the multi-stage schedules lists this rank's forwards (F) and
-backwards (B, or I then W for the zero-bubble schedules) in the order it runs them. This runs exactly that list
-on the rank's own model parts: a forward keeps its activations until that micro-batch's backward, as the real stage does, so GPipe keeps every
-micro-batch in flight and 1F1B at most the number of stages from its own to the last. (For the single-stage
-schedules that list is only a drawing in torch 2.13 — its 1F1B numbers the second stage's forwards from 1 —
-so their order is written out below, as their step runs it.) Like torch's stages, a non-first stage
-holds one receive buffer per micro-batch for its inputs and a non-last stage one per micro-batch for its output
-gradients, allocated at the first step and kept.
+tensors and the fake process group cannot do (a data-dependent read). The memory a stage needs does not depend on
+the neighbours' values, only on when each micro-batch's activations are created and freed, and the schedule says
+that: `schedule.pipeline_order[pp rank]` of the multi-stage schedules lists this rank's forwards (F) and backwards
+(B, or I then W for the zero-bubble schedules) in the order it runs them. This runs exactly that list on the rank's
+own model parts: a forward keeps its activations until that micro-batch's backward, as the real stage does, so GPipe
+keeps every micro-batch in flight and 1F1B at most the number of stages from its own to the last. (For the single-
+stage schedules that list is only a drawing in torch 2.13 — its 1F1B numbers the second stage's forwards from 1 — so
+their order is written out below, as their step runs it.) Like torch's stages, a non-first stage holds one receive
+buffer per micro-batch for its inputs and a non-last stage one per micro-batch for its output gradients, allocated
+at the first step and kept.
 
 Known approximation: a zero-bubble input-gradient action (I) is run as a full backward and its weight-gradient
 action (W) as nothing, so the activations a real I keeps alive until its W are not counted.
