@@ -149,6 +149,27 @@ def _csv_stage_ids(path: str, pp: int) -> tuple[tuple[tuple[int, ...], ...], int
     return tuple(stages), len(microbatches)
 
 
+def _check_csv_schedule(path: str, pp: int, num_stages: int, n_microbatches: int) -> None:
+    """torch's own check of a compute-only schedule (every micro-batch forward and backward on every stage), run
+    here so a bad file fails before any process group."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _validate_schedule
+
+    compute = {_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT,
+               _ComputationType.BACKWARD_WEIGHT}
+    with open(path, newline="") as f:
+        actions = {rank: [_Action.from_str(t.strip()) for t in row if t.strip()]
+                   for rank, row in enumerate(csv.reader(f))}
+    for rank, row in actions.items():
+        for action in row:
+            if action is not None and action.computation_type not in compute:
+                _err(f"parallelism.pipeline_parallel_schedule_csv: {path} row {rank + 1}: '{action}' is not a "
+                     "compute action (F, B, I, W): the file must be compute-only")
+    try:
+        _validate_schedule(actions, pp, num_stages, n_microbatches)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        _err(f"parallelism.pipeline_parallel_schedule_csv: {path}: {' '.join(str(e).split())}")
+
+
 def plan_pipeline(p, n_layers: int, local_batch_sizes: dict[str, int], tied_embeddings: bool,
                   input_fqns: tuple[str, ...] = ("tok_embeddings",),
                   output_fqns: tuple[str, ...] = ("norm", "output")) -> PipelinePlan:
@@ -192,6 +213,7 @@ def plan_pipeline(p, n_layers: int, local_batch_sizes: dict[str, int], tied_embe
     num_stages = len(fqns)
 
     what = ("parallelism.module_fqns_per_model_part" if p.module_fqns_per_model_part is not None
+            else "parallelism.pipeline_parallel_schedule_csv" if csv_path
             else "parallelism.pipeline_parallel_layers_per_stage")
     if num_stages % pp:
         _err(f"{what}: {num_stages} stages do not spread evenly over pipeline_parallel_degree={pp}")
@@ -223,6 +245,12 @@ def plan_pipeline(p, n_layers: int, local_batch_sizes: dict[str, int], tied_embe
         if csv_stages is not None and n != csv_microbatches:
             _err(f"parallelism.pipeline_parallel_schedule_csv: {csv_path} schedules {csv_microbatches} micro-batches "
                  f"but {key}={batch} gives {n}")
+        rounds = max(1, n // pp)
+        if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
+            _err(f"{key}={batch} gives {n} pipeline micro-batches; {name} runs them in rounds of "
+                 f"pipeline_parallel_degree={pp} and needs a multiple of the {rounds} rounds (multiples of {pp} work)")
+    if csv_path:
+        _check_csv_schedule(csv_path, pp, num_stages, csv_microbatches)
     return PipelinePlan(pp=pp, schedule=name, csv_path=csv_path, module_fqns=tuple(tuple(f) for f in fqns),
                         stage_ids_by_rank=by_rank, microbatch_size=mb)
 
