@@ -25,7 +25,7 @@ COMMON = (
     "--lr_scheduler.warmup_steps", "2",
     # The gradient norm stays around 0.6 in these steps: clipping binds at every step (except where turned off).
     "--training.max_norm", "0.2",
-    "--debug.seed", "7",
+    "--debug.seed", "11",
     "--job.print_config", "false",
     "--comm.init_timeout_seconds", "60",
     "--comm.train_timeout_seconds", "60",
