@@ -3,7 +3,7 @@
 
     python scripts/benchmark_parallelism.py [--world 2] [--steps 30] [--seq-len 256] [--config ...] [-- overrides]
     python scripts/benchmark_parallelism.py --pipeline [--schedules GPipe,1F1B,...] [--microbatches 2,4,8]
-        [--pp-steps 8] [--pp-warmup 2] [--throughput-schedules 1F1B,Interleaved1F1B] [-- overrides]
+        [--pp-steps 8] [--pp-warmup 2] [--throughput-schedules 1F1B,Interleaved1F1B] [--pp-split JSON] [-- overrides]
 
 Each layout is a real `run_train.sh` launch of the same config and global batch; tokens/s per process is the
 median of the logged steps after the first few (compilation and warm-up excluded). Layouts:
@@ -22,6 +22,8 @@ on this machine; on GPUs run it with NGPU-sized worlds and a bigger model for re
             calls) / (wall time of schedule.step): idle time waiting for a neighbour plus everything the schedule
             does between compute (send/recv, bookkeeping). Median over the steps after --pp-warmup. `balance` is
             the least loaded rank's compute time over the most loaded one's: the textbook values assume 1.00.
+            --pp-split sets module_fqns_per_model_part for the PP runs, e.g. a split balanced by measured cost
+            (the default split counts norm + output as one block; docs/performance.md).
   textbook  The idle fraction of a step for equal stages and free communication, with forward (F), input
             backward (B) and weight backward (W) of a stage chunk taking equal time where the schedule splits
             them; p = pp degree, v = stages per rank:
@@ -69,9 +71,11 @@ def layouts(world: int) -> list[tuple[str, list[str]]]:
     return out + compiled
 
 
-def pipeline_args(world: int, schedule: str) -> list[str]:
+def pipeline_args(world: int, schedule: str, split: str = "") -> list[str]:
+    """PP over all `world` ranks, one sequence per pipeline micro-batch; `split`: module_fqns_per_model_part."""
     return ["--parallelism.pipeline_parallel_degree", str(world), "--parallelism.pipeline_parallel_schedule",
-            schedule, "--parallelism.pipeline_parallel_microbatch_size", "1"]
+            schedule, "--parallelism.pipeline_parallel_microbatch_size", "1",
+            *(["--parallelism.module_fqns_per_model_part", split] if split else [])]
 
 
 def run(name: str, world: int, args: list[str], workdir: Path, warmup: int) -> dict:
@@ -142,7 +146,7 @@ def bubble_run(opts: dict, schedule: str, m: int, world: int, device, dump: str)
             "--training.local_batch_size", str(m), "--training.global_batch_size", str(m),
             "--training.steps", str(opts["pp_warmup"] + opts["pp_steps"]), "--job.dump_folder", dump,
             "--job.print_config", "false", "--checkpoint.enable", "false", "--validation.enable", "false",
-            "--metrics.log_freq", "1000000", *pipeline_args(world, schedule), *opts["overrides"]]
+            "--metrics.log_freq", "1000000", *pipeline_args(world, schedule, opts["split"]), *opts["overrides"]]
     try:
         cfg, resolved = load_config(argv, world)
     except ConfigError as e:  # decided from the config alone: the same on every rank
@@ -229,12 +233,15 @@ def pipeline_main(a, common: list[str]) -> None:
     unknown = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if unknown:
         raise SystemExit(f"--schedules: unknown {unknown}; pick from {','.join(PIPELINE_SCHEDULES)}")
+    if a.world < 2:
+        raise SystemExit("--pipeline: the pp degree is --world, which must be at least 2")
     opts = {"schedules": schedules, "microbatches": [int(m) for m in a.microbatches.split(",") if m],
             "pp_steps": a.pp_steps, "pp_warmup": a.pp_warmup, "seq_len": a.seq_len, "config": a.config,
-            "overrides": a.overrides}
+            "overrides": a.overrides, "split": a.pp_split}
     throughput = [s for s in a.throughput_schedules.split(",") if s]
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {_torch_version()}, pp {a.world}, "
-          f"seq {a.seq_len}, overrides {' '.join(a.overrides) or '-'}", flush=True)
+          f"seq {a.seq_len}, overrides {' '.join(a.overrides) or '-'}, stages {a.pp_split or 'default split'}",
+          flush=True)
     rows: dict[tuple[str, int], dict] = {}
     tps: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -244,8 +251,8 @@ def pipeline_main(a, common: list[str]) -> None:
         print(f"bubbles: {len(rows)} runs in {time.perf_counter() - start:.0f} s", flush=True)
         if throughput:
             for name, args in [("fsdp", ["--training.local_batch_size", str(max(1, a.global_batch // a.world))]),
-                               *((s, ["--training.local_batch_size", str(a.global_batch), *pipeline_args(a.world, s)])
-                                 for s in throughput)]:
+                               *((s, ["--training.local_batch_size", str(a.global_batch),
+                                      *pipeline_args(a.world, s, a.pp_split)]) for s in throughput)]:
                 start = time.perf_counter()
                 tps[name] = run(f"tps_{name}", a.world, [*common, *args], Path(tmp), a.warmup)
                 print(f"tokens/s {name}: {tps[name]['tps']:.1f} per device ({time.perf_counter() - start:.0f} s)",
@@ -272,7 +279,7 @@ def print_pipeline_table(a, rows: dict[tuple[str, int], dict], tps: dict[str, di
         measured = [f"{b:.3f}{'*' if i == r['heaviest'] else ' '}".rjust(9) for i, b in enumerate(r["bubbles"])] \
             if "bubbles" in r else [f"{'-':>9s}"] * a.world
         textbook = "-" if r.get("textbook") is None else f"{r['textbook']:.3f}"
-        v = str(r["v"]) if "v" in r else ("1" if schedule in SINGLE_STAGE else "2")
+        v = str(r.get("v", "-"))
         balance = f"{r['balance']:.2f}" if "balance" in r else "-"
         step = f"{r['step_ms']:.0f}" if "step_ms" in r else "-"
         t = tps.get(schedule) if m == a.global_batch else None
@@ -315,6 +322,8 @@ def main() -> None:
     parser.add_argument("--throughput-schedules", default="1F1B,Interleaved1F1B",
                         help="--pipeline: schedules whose tokens/s at m = --global-batch is compared with FSDP's "
                              "('' = none, and no FSDP run)")
+    parser.add_argument("--pp-split", default="", help="--pipeline: parallelism.module_fqns_per_model_part (JSON) for "
+                        "the PP runs only, e.g. a balanced split; schedules it does not fit are skipped")
     parser.add_argument("overrides", nargs="*", help="extra --section.key value overrides (after --)")
     a = parser.parse_args()
     common = ["--job.config_file", a.config, "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len),

@@ -1,0 +1,56 @@
+"""scripts/benchmark_parallelism.py --pipeline runs end to end on a tiny workload and prints one table: a row per
+schedule with each rank's measured bubble, a fraction of the step, and the textbook value; PP's tokens/s next to
+FSDP's. Nothing timed is checked (benchmarks print ratios, tests never time)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "benchmark_parallelism.py"
+WORLD = 2
+
+
+def _table(out: str) -> dict[str, list[str]]:
+    """Rows of the printed table by their first column (the FSDP baseline as 'FSDP'); the cells after it."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("FSDP (no PP)"):
+            rows["FSDP"] = line.removeprefix("FSDP (no PP)").split()
+        elif line.split() and line.split()[0] in ("GPipe", "1F1B"):
+            rows[line.split()[0]] = line.split()[1:]
+    return rows
+
+
+def test_pipeline_section_prints_a_bubble_row_per_schedule(tt_cache_dir):
+    env = {**os.environ, "TORCHTITAN_CACHE_DIR": str(tt_cache_dir), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    args = ["--pipeline", "--world", str(WORLD), "--schedules", "GPipe,1F1B", "--microbatches", "2", "--pp-steps", "3",
+            "--pp-warmup", "1", "--seq-len", "64", "--throughput-schedules", "1F1B", "--global-batch", "2",
+            "--steps", "3", "--warmup", "1", "--", "--model.flavor", "debugmodel_small"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    rows = _table(out)
+    assert set(rows) == {"GPipe", "1F1B", "FSDP"}, out
+    for schedule in ("GPipe", "1F1B"):
+        v, m, *cells = rows[schedule]
+        assert (v, m) == ("1", "2"), out
+        bubbles = [float(c.rstrip("*")) for c in cells[:WORLD]]
+        assert all(0.0 <= b <= 1.0 for b in bubbles), (schedule, out)
+        assert sum(c.endswith("*") for c in cells[:WORLD]) == 1, out  # the most loaded rank is marked
+        textbook, balance = float(cells[WORLD]), float(cells[WORLD + 1])
+        assert textbook == pytest.approx(1 / 3, abs=1e-3), out  # (p-1)/(m+p-1) at p = m = 2
+        assert 0.0 < balance <= 1.0, out
+    # the throughput run at m = global batch lands on 1F1B's row, as a ratio to the FSDP row
+    assert float(rows["1F1B"][-2]) > 0 and float(rows["1F1B"][-1]) > 0, out
+    assert rows["GPipe"][-2:] == ["-", "-"], out
+    assert rows["FSDP"][-1] == "1.00" and float(rows["FSDP"][-2]) > 0, out
