@@ -201,15 +201,9 @@ def textbook_bubble(schedule: str, p: int, m: int, v: int) -> float | None:
 
 
 def launch_bubbles(opts: dict, world: int, tmp: Path) -> list[dict]:
-    out = tmp / "bubbles.json"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO),
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--standalone",
-           "--local-ranks-filter", "0", __file__, "--pp-worker", json.dumps({**opts, "out": str(out)})]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0 or not out.exists():
-        raise SystemExit(f"pipeline bubble job failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    from benchmark_trainer import torchrun_job  # scripts/ is on sys.path when a script there runs
+
+    return torchrun_job(__file__, "--pp-worker", opts, world, tmp / "bubbles.json", tmp, "pipeline bubble job")
 
 
 def summarize(result: dict, world: int) -> dict:

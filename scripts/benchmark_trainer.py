@@ -242,16 +242,21 @@ def worker(opts: dict) -> None:
 # The driver
 # ----------------------------------------------------------------------------------------------------------------
 
-def launch(opts: dict, nproc: int, tmp: Path) -> dict:
-    out = tmp / f"result_{nproc}.json"
+def torchrun_job(script: str, flag: str, opts: dict, nproc: int, out: Path, tmp: Path, what: str):
+    """Run `script flag <opts as JSON>` as one torchrun job of `nproc` ranks (offline, one OpenMP thread each);
+    the worker writes its result as JSON to opts["out"] = `out`, returned parsed. Shared by the benchmarks."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "--local-ranks-filter", "0", __file__, "--worker", json.dumps({**opts, "out": str(out)})]
+           "--local-ranks-filter", "0", script, flag, json.dumps({**opts, "out": str(out)})]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out.exists():
-        raise SystemExit(f"{nproc} process(es) failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def launch(opts: dict, nproc: int, tmp: Path) -> dict:
+    return torchrun_job(__file__, "--worker", opts, nproc, tmp / f"result_{nproc}.json", tmp, f"{nproc} process(es)")
 
 
 def _tps(rounds: list[list[float]], warmup: int, tokens: int) -> tuple[float, list[float]]:

@@ -18,7 +18,7 @@ from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.model_parts import build_model_parts, materialize, model_args_for
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.step import ScaledLoss, forward_backward_step
+from torchtitan.components.step import forward_backward_step
 from torchtitan.components.step_guard import StepGuard, TrainingError
 from torchtitan.components.validate import Validator
 from torchtitan.config.errors import ConfigError
@@ -120,9 +120,8 @@ class Trainer:
         self.autocast = dist_utils.mixed_precision_autocast(parallel_dims, param_dtype, self.device.type)
         self.pipeline = None
         if resolved.pipeline is not None:
-            self.scaled_loss = ScaledLoss(self.loss_fn)
             self.pipeline = Pipeline(resolved.pipeline, self.model_parts, self.pp_mesh, self.device,
-                                     cfg.training.local_batch_size, self.scaled_loss)
+                                     cfg.training.local_batch_size, self.loss_fn)
 
         self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, self.device.type)
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -191,8 +190,6 @@ class Trainer:
         global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
         self.guard.step = step
-        if self.pipeline is not None:
-            self.scaled_loss.global_tokens = global_tokens
         local_loss_sum, grad_norm = forward_backward_step(
             self.model_parts, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
             max_norm=self.cfg.training.max_norm, device=self.device, autocast=self.autocast,

@@ -54,7 +54,7 @@ def forward_backward_step(
             # Forward, loss and backward of every pipeline micro-batch happen inside the schedule; loss parallel
             # must cover all three.
             with autocast if autocast is not None else nullcontext(), loss_parallel_context(loss_parallel):
-                local_loss_sum += pipeline.forward_backward(inputs, labels) * global_tokens
+                local_loss_sum += pipeline.forward_backward(inputs, labels, global_tokens) * global_tokens
             continue
         model = model_parts[0]
         set_gradient_sync(model, micro == last)  # DDP reduces once, after the last micro-batch
@@ -75,14 +75,3 @@ def forward_backward_step(
         optimizer.step()
     return local_loss_sum, grad_norm
 
-
-class ScaledLoss:
-    """The pipeline schedule's loss: loss_fn's sum over a pipeline micro-batch divided by the step's global token
-    count (set before each step), so the schedule's backward yields the same gradients as the loop above."""
-
-    def __init__(self, loss_fn: Callable):
-        self.loss_fn = loss_fn
-        self.global_tokens: torch.Tensor | None = None
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, labels) / self.global_tokens

@@ -282,14 +282,27 @@ def _local_output(module, inputs, output):
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+class ScaledLoss:
+    """The schedule's loss: loss_fn's sum over a pipeline micro-batch divided by the step's global token count
+    (set before each step), so the schedule never scales gradients and they equal the 1-process ones."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn = loss_fn
+        self.global_tokens: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, labels) / self.global_tokens
+
+
 class Pipeline:
     """This rank's stages, the training schedule over them, and a forward-only walk for validation."""
 
     def __init__(self, plan: PipelinePlan, parts: list[nn.Module], pp_mesh, device: torch.device,
                  local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         """`parts` are this rank's model parts in plan.stage_ids(pp rank) order, materialised and parallelized;
-        `loss_fn(logits, labels)` returns the loss already scaled for the backward (a sum / global tokens)."""
-        self.plan, self.parts, self.pp_mesh, self.device, self.loss_fn = plan, parts, pp_mesh, device, loss_fn
+        `loss_fn(logits, labels)` returns a loss sum, which the schedule divides by the step's global token count."""
+        self.plan, self.parts, self.pp_mesh, self.device = plan, parts, pp_mesh, device
+        self.loss_fn = ScaledLoss(loss_fn)
         self.pp_rank = pp_mesh.get_local_rank()
         self.stage_ids = plan.stage_ids(self.pp_rank)
         self.has_first = 0 in self.stage_ids
@@ -297,7 +310,7 @@ class Pipeline:
         for stage_id, part in zip(self.stage_ids, parts, strict=True):
             if stage_id != plan.num_stages - 1:
                 part.register_forward_hook(_local_output)
-        self.schedule = self._build(plan.n_microbatches(local_batch_size), loss_fn)
+        self.schedule = self._build(plan.n_microbatches(local_batch_size), self.loss_fn)
 
     def _build(self, n_microbatches: int, loss_fn):
         from torch.distributed.pipelining import PipelineStage
@@ -319,10 +332,13 @@ class Pipeline:
             return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor
+                         ) -> torch.Tensor:
         """Forward and backward of one local batch through the schedule; returns this rank's sum of the scaled
         micro-batch losses (zero on ranks without the last stage)."""
         import torch
+
+        self.loss_fn.global_tokens = global_tokens
 
         from torchtitan.distributed.tensor_parallel import local_value  # loss parallel's losses are DTensors
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.model_parts import build_model_parts, model_args_for
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.step import ScaledLoss, forward_backward_step
+from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -205,8 +205,7 @@ def build_pipeline(plan: PipelinePlan | None, parts, parallel_dims: ParallelDims
     """The trainer's Pipeline over `parts` (None without pipeline parallel), with the trainer's scaled loss."""
     if plan is None:
         return None
-    return Pipeline(plan, parts, parallel_dims.mesh("pp"), device, cfg.training.local_batch_size,
-                    ScaledLoss(cross_entropy_sum))
+    return Pipeline(plan, parts, parallel_dims.mesh("pp"), device, cfg.training.local_batch_size, cross_entropy_sum)
 
 
 def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
@@ -221,10 +220,7 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
 
         microbatches = [(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
                         for _ in range(grad_accum)]
-        global_tokens = torch.tensor(b * s * grad_accum)
-        if pipeline is not None:
-            pipeline.loss_fn.global_tokens = global_tokens
-        forward_backward_step(parts, optimizer, microbatches, global_tokens,
+        forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
                               loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
                               device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,
                               pipeline=pipeline, pp_mesh=pp_mesh, on_phase=on_phase)

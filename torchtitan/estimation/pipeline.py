@@ -44,8 +44,11 @@ class PipelineActions:
         self.grad_buffers = {(s, m): torch.empty(hidden_shape, dtype=hidden_dtype)
                              for s in self.parts if s != self.last for m in range(n)}
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor
+                         ) -> torch.Tensor:
         from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+        self.loss_fn.global_tokens = global_tokens
 
         mb = self.pipeline.plan.microbatch_size
         in_flight: dict[tuple[int, int], torch.Tensor] = {}
