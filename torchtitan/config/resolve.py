@@ -65,8 +65,12 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         args = spec.flavors[cfg.model.flavor]
         # Validation walks the stages forward only, in micro-batches of any count (pipeline_parallel.py).
         batches = {"training.local_batch_size": t.local_batch_size}
+        weights = (1.0, 1.0)
+        if spec.pipeline_unit_flops_fn is not None:
+            first, block, last = spec.pipeline_unit_flops_fn(args, t.seq_len)
+            weights = (first / block, last / block)
         pipeline = plan_pipeline(cfg.parallelism, args.n_layers, batches, args.tie_word_embeddings,
-                                 spec.pipeline_input_fqns, spec.pipeline_output_fqns)
+                                 spec.pipeline_input_fqns, spec.pipeline_output_fqns, weights)
     return Resolved(parallel_dims=parallel_dims, grad_accum_steps=t.global_batch_size // per_microstep,
                     pipeline=pipeline)
 

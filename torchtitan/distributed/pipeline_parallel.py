@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,28 +73,51 @@ def stage_fqn_units(n_layers: int, input_fqns: tuple[str, ...], output_fqns: tup
 
 
 def split_evenly(n_layers: int, num_stages: int, input_fqns: tuple[str, ...] = ("tok_embeddings",),
-                 output_fqns: tuple[str, ...] = ("norm", "output"), input_weight: int = 1,
-                 output_weight: int = 1) -> list[list[str]]:
-    """Blocks per stage such that the most loaded stage is as light as possible, counting the embedding as
-    `input_weight` blocks on the first stage and the final norm + output as `output_weight` blocks on the last
-    (so those stages may take fewer blocks). Every stage gets at least one block; ties go to middle stages first.
+                 output_fqns: tuple[str, ...] = ("norm", "output"), input_weight: float = 1.0,
+                 output_weight: float = 1.0) -> list[list[str]]:
+    """Contiguous stages such that the most loaded stage is as light as possible, counting the embedding as
+    `input_weight` blocks (on the first stage, with at least one block) and the final norm + output as
+    `output_weight` blocks (on the last stage, which may hold them alone). Among the splits with that lightest
+    maximum, earlier stages are kept lighter: under 1F1B stage s holds pp - s micro-batches of activations.
     """
-    if num_stages > n_layers:
+    if num_stages > n_layers + 1:
         _err(f"parallelism: {num_stages} pipeline stages but the model has only {n_layers} transformer blocks "
-             "(every stage needs at least one)")
-    blocks = [1] * num_stages
-    extra = [0] * num_stages
-    extra[0] += input_weight
-    extra[-1] += output_weight
-    preference = [*range(1, num_stages - 1), 0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
-    for _ in range(n_layers - num_stages):
-        stage = min(preference, key=lambda s: (blocks[s] + extra[s], preference.index(s)))
-        blocks[stage] += 1
-    fqns, start = [], 0
-    for s, count in enumerate(blocks):
-        part = [f"layers.{i}" for i in range(start, start + count)]
-        start += count
-        fqns.append([*(input_fqns if s == 0 else ()), *part, *(output_fqns if s == num_stages - 1 else ())])
+             "(every stage needs at least one, the last may hold the output alone)")
+    # units a stage boundary may fall between: embedding + block 0, blocks 1 .. n-1, norm + output
+    costs = [input_weight + 1.0, *([1.0] * (n_layers - 1)), output_weight]
+    n = len(costs)
+    tol = 1e-9
+
+    def stages_needed(start: int, cap: float) -> int:
+        count, load = 1, 0.0
+        for c in costs[start:]:
+            if load + c > cap + tol and load > 0:
+                count, load = count + 1, 0.0
+            load += c
+        return count
+
+    sums = sorted({sum(costs[i:j]) for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(sums) - 1  # the lightest maximum is one of the contiguous sums
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sums[mid] + tol >= max(costs) and stages_needed(0, sums[mid]) <= num_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    cap = sums[lo]
+    bounds, start = [0], 0
+    for stage in range(num_stages - 1):
+        left = num_stages - stage - 1
+        end = start + 1
+        while not (n - end >= left and stages_needed(end, cap) <= left):
+            end += 1
+        bounds.append(end)
+        start = end
+    bounds.append(n)
+    fqns = []
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        blocks = [f"layers.{i}" for i in range(a, min(b, n_layers))]
+        fqns.append([*(input_fqns if s == 0 else ()), *blocks, *(output_fqns if b == n else ())])
     return fqns
 
 
@@ -172,10 +196,12 @@ def _check_csv_schedule(path: str, pp: int, num_stages: int, n_microbatches: int
 
 def plan_pipeline(p, n_layers: int, local_batch_sizes: dict[str, int], tied_embeddings: bool,
                   input_fqns: tuple[str, ...] = ("tok_embeddings",),
-                  output_fqns: tuple[str, ...] = ("norm", "output")) -> PipelinePlan:
+                  output_fqns: tuple[str, ...] = ("norm", "output"),
+                  unit_weights: tuple[float, float] = (1.0, 1.0)) -> PipelinePlan:
     """The pipeline layout `p` (config section `parallelism`) asks for, or a ConfigError naming the key.
 
-    `local_batch_sizes` maps config keys to the batches the schedule runs (training.local_batch_size)."""
+    `local_batch_sizes` maps config keys to the batches the schedule runs (training.local_batch_size);
+    `unit_weights` is the cost of the input and of the output modules in blocks, for the automatic split."""
     pp, name = p.pipeline_parallel_degree, p.pipeline_parallel_schedule
     if name not in SCHEDULES:
         _err(f"parallelism.pipeline_parallel_schedule: '{name}' is not one of {', '.join(SCHEDULES)}")
@@ -209,7 +235,7 @@ def plan_pipeline(p, n_layers: int, local_batch_sizes: dict[str, int], tied_embe
             count = 1 + max((s for rank in csv_stages for s in rank), default=0)
         else:
             count = pp * (1 if name in SINGLE_STAGE_SCHEDULES else 2)
-        fqns = split_evenly(n_layers, count, input_fqns, output_fqns)
+        fqns = split_evenly(n_layers, count, input_fqns, output_fqns, *unit_weights)
     num_stages = len(fqns)
 
     what = ("parallelism.module_fqns_per_model_part" if p.module_fqns_per_model_part is not None

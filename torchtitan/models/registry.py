@@ -32,6 +32,9 @@ class ModelSpec:
     """modules before the blocks (`layers.<i>`), on the first pipeline stage"""
     pipeline_output_fqns: tuple[str, ...] = ()
     """modules after the blocks, on the last pipeline stage"""
+    pipeline_unit_flops_fn: Callable[[Any, int], tuple[float, float, float]] | None = None
+    """(model_args, seq_len) -> training FLOPs per token of the input modules, one block, the output modules; the
+    automatic pipeline split balances these (None: each of the three weighs one block)"""
 
 
 def register_model_spec(spec: ModelSpec) -> None:

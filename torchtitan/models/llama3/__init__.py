@@ -2,7 +2,7 @@
 
 from torchtitan.models.llama3.args import TransformerModelArgs, llama3_flavors
 from torchtitan.models.llama3.hf_adapter import Llama3StateDictAdapter
-from torchtitan.models.llama3.model import Transformer, get_nparams_and_flops
+from torchtitan.models.llama3.model import Transformer, get_nparams_and_flops, get_pipeline_unit_flops
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.registry import ModelSpec, register_model_spec
 
@@ -16,6 +16,7 @@ register_model_spec(
         state_dict_adapter=Llama3StateDictAdapter,
         pipeline_input_fqns=("tok_embeddings",),
         pipeline_output_fqns=("norm", "output"),
+        pipeline_unit_flops_fn=get_pipeline_unit_flops,
     )
 )
 
