@@ -23,7 +23,7 @@ on this machine; on GPUs run it with NGPU-sized worlds and a bigger model for re
             does between compute (send/recv, bookkeeping). Median over the steps after --pp-warmup. `balance` is
             the least loaded rank's compute time over the most loaded one's: the textbook values assume 1.00.
             --pp-split sets module_fqns_per_model_part for the PP runs, e.g. a split balanced by measured cost
-            (the default split counts norm + output as one block; docs/performance.md).
+            (the default split weighs stages by the model's FLOPs; docs/performance.md).
   textbook  The idle fraction of a step for equal stages and free communication, with forward (F), input
             backward (B) and weight backward (W) of a stage chunk taking equal time where the schedule splits
             them; p = pp degree, v = stages per rank:
