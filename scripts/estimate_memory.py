@@ -31,6 +31,29 @@ from torchtitan.estimation.report import (  # noqa: E402
 )
 
 
+def _estimate_in_child(cfg, world_size: int, rank: int, target: str, exact: bool):
+    """`estimate` in a forked child: each rank's fake process group and the DTensor caches keyed by mesh shape
+    (which would keep the previous rank's groups) die with the child."""
+    import multiprocessing as mp
+    import traceback
+
+    def child(queue) -> None:
+        try:
+            queue.put((None, estimate(cfg, world_size, rank, target, exact=exact)))
+        except BaseException:  # noqa: BLE001  (reported by the parent)
+            queue.put((traceback.format_exc(), None))
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    err, est = queue.get()
+    proc.join()
+    if err is not None:
+        raise RuntimeError(f"estimating rank {rank} failed:\n{err}")
+    return est
+
+
 def _host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
 
@@ -70,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     if opts.rank is None and resolved.pipeline is not None:
         # pp is the outermost mesh dimension: pipeline rank r's first rank is r x (world / pp).
         ranks = [r * (opts.world_size // parallel_dims.pp) for r in range(parallel_dims.pp)]
-    per_rank = [estimate(cfg, opts.world_size, rank, target, exact=opts.exact) for rank in ranks]
+    if len(ranks) == 1:
+        per_rank = [estimate(cfg, opts.world_size, ranks[0], target, exact=opts.exact)]
+    else:
+        per_rank = [_estimate_in_child(cfg, opts.world_size, rank, target, opts.exact) for rank in ranks]
     est = max(per_rank, key=lambda e: e.peak_bytes)
     stages = []
     if resolved.pipeline is not None:

@@ -104,6 +104,10 @@ PP_LAYOUTS = [
                                              '"norm", "output"]]')),
     Layout("pp2_fsdp2_interleaved", 4, (*dp(4, 2), *pp("Interleaved1F1B"))),
     Layout("pp2_tp2", 4, (*dp(8, 1), *pp("1F1B"), *_TP2)),
+    # torch's input-gradient backward detaches stage outputs in place: TP's stage outputs must not be views
+    Layout("pp2_tp2_zbv_zero_bubble", 4, (*dp(8, 1), *pp("ZBVZeroBubble"), *_TP2)),
+    # torch's stage keeps FSDP parameters unsharded and gradients unreduced until the stage's last backward
+    Layout("pp2_fsdp2_interleaved_zero_bubble", 4, (*dp(4, 2), *pp("InterleavedZeroBubble"))),
     Layout("pp2_hsdp2x2", 8, (*dp(2, 4), *pp("1F1B"), *_REPLICATE, "2")),
     Layout("pp2_fsdp2_tp2", 8, (*dp(4, 2), *pp("1F1B"), *_TP2)),
 ]

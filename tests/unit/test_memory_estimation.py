@@ -102,13 +102,18 @@ def _estimate_every_rank(args: list[str], world: int) -> list[int]:
 
 
 @pytest.mark.parametrize(("world", "layout", "tolerance"), [
-    # 3 stages of 1, 2 and 1 blocks: first (embedding), middle, last (output and loss) each have their own peak
+    # 3 stages (embedding + 2 blocks, 2 blocks, norm + output + loss): first, middle and last each peak differently
     (3, ["--parallelism.pipeline_parallel_schedule", "1F1B"], 0.05),
     (2, ["--parallelism.pipeline_parallel_schedule", "GPipe"], 0.05),
-    # Known gap, documented in docs/memory_estimation.md: the multi-stage runtime holds 5.25 MiB more than the
-    # estimate on both ranks here (4.6% and 5.4%), buffers of its own not yet modelled; so 7% here.
-    (2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 0.07),
-], ids=["pp3_1f1b", "pp2_gpipe", "pp2_interleaved"])
+    # the multi-stage runtime keeps every sent tensor until the end of the step; the zero-bubble schedules split
+    # backwards into I and W; DualPipeV overlaps a forward with a backward; the V ones place stages in a V
+    (2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 0.05),
+    (2, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"], 0.05),
+    (2, ["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"], 0.05),
+    (2, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 0.05),
+    (2, ["--parallelism.pipeline_parallel_schedule", "DualPipeV"], 0.05),
+], ids=["pp3_1f1b", "pp2_gpipe", "pp2_interleaved", "pp2_looped_bfs", "pp2_interleaved_zb", "pp2_zbv",
+        "pp2_dualpipev"])
 def test_pipeline_stage_estimates_within_5_percent_of_measured(world, layout, tolerance):
     args = [*BASE, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", str(world), *layout]
     measured = run_ranks(_measure, args, world, world=world, timeout=300)
@@ -166,19 +171,26 @@ def test_script_json_and_verdict(capsys):
     assert code == 0 and "verdict: DOES NOT FIT" in out and "alive at the peak" in out
 
 
-def test_script_reports_every_pipeline_stage_and_the_worst(capsys):
+_TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("extra", [[], _TP2, [*_TP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]],
+                         ids=["pp2_dp2", "pp2_tp2", "pp2_tp2_zbv"])
+def test_script_reports_every_pipeline_stage_and_the_worst(extra, capsys):
+    # with TP, the second rank estimated used to run its collectives on the first one's (destroyed) fake groups
     args = ["--world-size", "4", "--device", "cpu", *BASE, "--parallelism.pipeline_parallel_degree", "2",
-            "--training.local_batch_size", "4"]
+            "--training.local_batch_size", "4", *extra]
     code, out, _ = _script([*args, "--json"], capsys)
     assert code == 0
     report = json.loads(out)
     stages = report["pipeline_stages"]
     assert [(s["pp_rank"], s["rank"]) for s in stages] == [(0, 0), (1, 2)]
-    assert stages[0]["stages"][0].startswith("0 (tok_embeddings") and stages[1]["stages"][0].endswith("..output)")
+    assert stages[0]["stages"][0].startswith("0 (tok_embeddings")
+    assert [name for s in stages for name in s["stages"] if name.endswith("..output)")]  # rank 1's, or a V's rank 0
     worst = max(stages, key=lambda s: s["peak_bytes"])
     assert (report["rank"], report["peak_bytes"]) == (worst["rank"], worst["peak_bytes"])
     code, out, _ = _script(args, capsys)
-    assert code == 0 and "<- worst, reported below" in out and "pp 2 (1F1B)" in out
+    assert code == 0 and "<- worst, reported below" in out and "pp 2 (" in out
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -303,9 +303,11 @@ def _local_output(module, inputs, output):
     # Tensor parallel leaves a block's output as a sequence-sharded DTensor; a stage sends plain tensors. The next
     # stage's first norm (sequence parallel) takes the local shard back as Shard(1) (torchtitan/distributed/
     # tensor_parallel.py), and the backward of to_local() turns the received gradient into a DTensor again.
+    # to_local() returns a view, which torch's input-gradient backward (zero-bubble schedules) cannot detach in
+    # place: the copy makes it a tensor of its own (one activation per micro-batch; the DTensor's is freed).
     from torch.distributed.tensor import DTensor
 
-    return output.to_local() if isinstance(output, DTensor) else output
+    return output.to_local().clone() if isinstance(output, DTensor) else output
 
 
 class ScaledLoss:
