@@ -30,6 +30,7 @@ from torchtitan.data.datasets import build_document_source
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
+from torchtitan.distributed.context_parallel import shard_microbatches
 from torchtitan.distributed.pipeline_parallel import Pipeline
 from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
@@ -52,6 +53,7 @@ class Trainer:
         self.device = device
         parallel_dims.build_mesh(self.device.type)
         self.loss_mesh = parallel_dims.mesh("dp_cp")
+        self.cp_mesh = parallel_dims.mesh("cp") if parallel_dims.cp > 1 else None
         seed = 0 if cfg.debug.seed is None else cfg.debug.seed
         dist_utils.set_determinism(seed, cfg.debug.deterministic)
         self.tf32 = device_tools.set_tf32(cfg.training.tf32, self.device.type)
@@ -103,7 +105,7 @@ class Trainer:
             self.validator = Validator(cfg, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(), self.loss_mesh,
                                        self.device, str(default_cache_dir() / "datasets"), loss_fn=self.loss_fn,
                                        loss_parallel=self.loss_parallel, eager=validate_eager,
-                                       pp_mesh=self.pp_mesh)
+                                       pp_mesh=self.pp_mesh, cp_mesh=self.cp_mesh)
 
         # Build on meta, cut into this rank's pipeline stages, parallelize, then materialise: no rank ever holds
         # the full unsharded model. The memory estimator builds through the same function.
@@ -185,6 +187,8 @@ class Trainer:
     def train_step(self, step: int, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Forward/backward every micro-batch, check, clip, step. Returns (local loss sum, local tokens, global
         tokens, grad norm)."""
+        # Context parallel: this rank's share of every sequence (torchtitan/distributed/context_parallel.py).
+        microbatches = shard_microbatches(microbatches, self.cp_mesh)
         # Counted on the host (labels arrive there) so logging never waits on the device for it.
         local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches)
         global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
@@ -238,7 +242,7 @@ class Trainer:
             if step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == cfg.steps or validation:
                 elapsed = time.perf_counter() - window_start
                 # Per device: the tp x cp x pp ranks of one data-parallel rank share its tokens.
-                tps = window_tokens / elapsed / self.parallel_dims.non_data_parallel_size
+                tps = window_tokens / elapsed / self.parallel_dims.same_tokens_size
                 self._log(step, loss_sum, local_tokens, global_tokens, grad_norm, tps, 100.0 * data_wait / elapsed,
                           validation)
                 window_start, data_wait, window_tokens = time.perf_counter(), 0.0, 0

@@ -111,3 +111,16 @@ PP_LAYOUTS = [
     Layout("pp2_hsdp2x2", 8, (*dp(2, 4), *pp("1F1B"), *_REPLICATE, "2")),
     Layout("pp2_fsdp2_tp2", 8, (*dp(4, 2), *pp("1F1B"), *_TP2)),
 ]
+
+# Context parallel: every sequence split over the cp ranks (two chunks each); cp ranks read the same data, so the
+# DP degree is world / (cp x tp), and FSDP shards over dp_shard x cp.
+_CP2 = ("--parallelism.context_parallel_degree", "2")
+
+CP_LAYOUTS = [
+    Layout("cp2", 2, (*dp(8, 1), *_CP2)),
+    Layout("cp4_accum_full_ac", 4, (*dp(4, 1), "--parallelism.context_parallel_degree", "4",
+                                    "--activation_checkpoint.mode", "full")),
+    Layout("fsdp2_cp2_accum", 4, (*dp(2, 2), *_CP2)),
+    Layout("tp2_cp2", 4, (*dp(8, 1), *_CP2, *_TP2)),
+    Layout("hsdp2x1_cp2", 4, (*dp(4, 2), *_CP2, *_REPLICATE, "2")),
+]

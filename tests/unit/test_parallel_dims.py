@@ -184,10 +184,11 @@ def test_derived_degrees_and_flags(name, world, degrees, expected):
 
 
 @pytest.mark.parametrize(("world", "degrees", "expected"), [
-    (4, {}, 1), (4, {"tp": 2}, 2), (8, {"tp": 2, "cp": 2}, 4), (8, {"tp": 2, "pp": 2}, 4),
+    (4, {}, 1), (4, {"tp": 2}, 2), (8, {"tp": 2, "cp": 2}, 2), (8, {"tp": 2, "pp": 2}, 4),
 ])
-def test_non_data_parallel_size_divides_throughput(world, degrees, expected):
-    assert make(world, **degrees).non_data_parallel_size == expected
+def test_same_tokens_size_divides_throughput(world, degrees, expected):
+    # context parallel ranks count their own share of each sequence: no division by cp
+    assert make(world, **degrees).same_tokens_size == expected
 
 
 def test_loss_parallel_only_with_tp():

@@ -18,6 +18,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.context_parallel import shard_microbatches
 from torchtitan.distributed.fsdp import reshard
 from torchtitan.distributed.tensor_parallel import local_value, loss_parallel_context
 from torchtitan.tools.logging import logger
@@ -36,11 +37,12 @@ def validation_shape(cfg: JobConfig) -> tuple[int, int]:
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, loss_mesh, device: torch.device,
                  cache_dir: str | None = None, *, loss_fn=cross_entropy_sum, loss_parallel: bool = False,
-                 eager: bool = False, pp_mesh=None):
+                 eager: bool = False, pp_mesh=None, cp_mesh=None):
         """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad). With pipeline
-        parallel (`pp_mesh`) the loss comes from the last stage's ranks and is summed over pp."""
+        parallel (`pp_mesh`) the loss comes from the last stage's ranks and is summed over pp; with context
+        parallel (`cp_mesh`) each rank scores its own share of every sequence."""
         self.cfg, self.tokenizer, self.loss_mesh, self.device = cfg, tokenizer, loss_mesh, device
-        self.pp_mesh = pp_mesh
+        self.pp_mesh, self.cp_mesh = pp_mesh, cp_mesh
         self.loss_fn, self.loss_parallel, self.eager = loss_fn, loss_parallel, eager
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.local_batch_size, self.seq_len = validation_shape(cfg)
@@ -81,6 +83,7 @@ class Validator:
         for inputs, labels in loader:
             if self.cfg.validation.steps != -1 and batches >= self.cfg.validation.steps:
                 break  # every rank yields the same number of batches, so all stop together
+            [(inputs, labels)] = shard_microbatches([(inputs, labels)], self.cp_mesh)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if pipeline is not None:  # forward only, through the stages; the loss on the last one
                 with autocast, loss_parallel_context(self.loss_parallel):

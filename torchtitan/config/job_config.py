@@ -132,9 +132,9 @@ class Parallelism:
     module_fqns_per_model_part: list[list[str]] | None = None
     """Module names of each pipeline stage, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]"""
     context_parallel_degree: int = 1
-    """Context-parallel degree (not available yet)"""
+    """Context-parallel degree: every sequence is split over this many ranks (2 chunks each, one early, one late)"""
     context_parallel_rotate_method: str = "allgather"
-    """allgather | alltoall: how context-parallel attention exchanges K/V (not available yet)"""
+    """How context-parallel attention exchanges K/V: allgather (every rank gathers all K/V) | alltoall (not yet)"""
     expert_parallel_degree: int = 1
     """Expert-parallel degree for MoE models (not available yet)"""
     expert_tensor_parallel_degree: int = 1

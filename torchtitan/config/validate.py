@@ -39,8 +39,8 @@ def _not_yet(key: str, what: str) -> None:
 # nothing would run something other than what the file asks for. tests/unit/test_config_keys_used.py holds every
 # key to this: read by the code, or refused here.
 NOT_YET: dict[str, str] = {
-    "parallelism.context_parallel_degree": "context parallel",
-    "parallelism.context_parallel_rotate_method": "context parallel",
+    "parallelism.context_parallel_rotate_method": "torch's rotating context-parallel attention (the all-gather one "
+                                                  "is built in: docs/parallelism.md)",
     "parallelism.expert_parallel_degree": "expert parallel",
     "parallelism.expert_tensor_parallel_degree": "expert tensor parallel",
     "model.converters": "model converters",
@@ -148,6 +148,25 @@ def _check_parallelism(cfg: JobConfig) -> None:
         if getattr(p, key) < 1:
             _err(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
     _check_tensor_parallel(cfg)
+    _check_context_parallel(cfg, {"training.seq_len": cfg.training.seq_len})
+
+
+def _check_context_parallel(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
+    """Context parallel cuts each sequence into 2 x cp chunks (head-tail balancing); with sequence parallel each
+    rank's S / cp tokens are cut again by tp."""
+    p = cfg.parallelism
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if cp == 1:
+        return
+    if p.pipeline_parallel_degree > 1:
+        _not_yet("parallelism.context_parallel_degree", "context parallel together with pipeline parallel")
+    for key, seq_len in seq_lens.items():
+        if seq_len % (2 * cp):
+            _err(f"{key}={seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each rank holds two "
+                 "chunks of every sequence, one early and one late, to even out causal attention)")
+        if tp > 1 and (seq_len // cp) % tp:
+            _err(f"{key}={seq_len} over context_parallel_degree={cp} leaves {seq_len // cp} tokens per rank, not "
+                 f"divisible by tensor_parallel_degree={tp} (sequence parallel)")
 
 
 def _check_tensor_parallel(cfg: JobConfig) -> None:
@@ -180,6 +199,8 @@ def check_resolved(cfg: JobConfig) -> None:
     v = cfg.validation
     if v.enable and cfg.parallelism.tensor_parallel_degree > 1:
         _check_tp_divides(cfg, {"validation.seq_len": v.seq_len})
+    if v.enable:
+        _check_context_parallel(cfg, {"validation.seq_len": v.seq_len})
 
 
 def _check_unavailable(cfg: JobConfig) -> None:

@@ -111,9 +111,10 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp
 
     @property
-    def non_data_parallel_size(self) -> int:
-        """Ranks that share one data-parallel rank's tokens (tp x cp x pp): per-device throughput divides by it."""
-        return self.tp * self.cp * self.pp
+    def same_tokens_size(self) -> int:
+        """Ranks that process the same tokens (tp x pp): a rank's token count over time, divided by it, is the
+        throughput per device. Context-parallel ranks each count only their own share of the sequence."""
+        return self.tp * self.pp
 
     @property
     def tp_enabled(self) -> bool:

@@ -23,6 +23,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
+from torchtitan.distributed.context_parallel import shard_microbatches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan
 from torchtitan.distributed.utils import mixed_precision_autocast
@@ -153,7 +154,8 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
                                            _hidden_dtype(cfg, parallel_dims, device_type))
             with tracker, untracked_dtensor_metadata(tracker):
                 run_steps(parts, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, tracker.set_phase,
-                          steps=steps, autocast=autocast, pipeline=pipeline, pp_mesh=_pp_mesh(parallel_dims))
+                          steps=steps, autocast=autocast, pipeline=pipeline, pp_mesh=_pp_mesh(parallel_dims),
+                          cp_mesh=parallel_dims.mesh("cp") if parallel_dims.cp > 1 else None)
             est = _summarise(tracker, params, optimizer, rank, world_size, time.perf_counter() - start)
             if parallel_dims.ddp_enabled:
                 _add_ddp_buckets(est, params)
@@ -209,7 +211,7 @@ def build_pipeline(plan: PipelinePlan | None, parts, parallel_dims: ParallelDims
 
 
 def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
-              set_phase, steps: int = 2, autocast=None, pipeline=None, pp_mesh=None) -> None:
+              set_phase, steps: int = 2, autocast=None, pipeline=None, pp_mesh=None, cp_mesh=None) -> None:
     """`steps` training steps on random tokens through the trainer's own step (forward_backward_step). Shared by
     the estimator (fake tensors) and the accuracy tests (real ones)."""
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
@@ -218,8 +220,8 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
             detail = f", micro-batch {micro + 1}/{grad_accum}" if micro is not None else ""
             set_phase(f"{kind} (step {step}{detail})")
 
-        microbatches = [(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
-                        for _ in range(grad_accum)]
+        microbatches = shard_microbatches([(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
+                                           for _ in range(grad_accum)], cp_mesh)
         forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
                               loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
                               device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,

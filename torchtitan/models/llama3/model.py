@@ -123,6 +123,16 @@ class RMSNorm(nn.Module):
         param_init(self.weight, nn.init.ones_)
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim], causal. Its own module so that context parallel
+    can replace it by attention over the whole (sharded) sequence (torchtitan/distributed/context_parallel.py)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Grouped-query heads go to SDPA as they are (query head h reads kv head h // (q heads / kv heads)):
+        # no expanded copies of K and V in memory, and the flash kernels take the grouping natively.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions."""
 
@@ -134,6 +144,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, model_args.dim, bias=False)
+        self.sdpa = CausalAttention()
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
@@ -144,12 +155,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q = apply_rotary_emb(q, freqs_cis)
         k = apply_rotary_emb(k, freqs_cis)
-        # Grouped-query heads go to SDPA as they are (query head h reads kv head h // (q heads / kv heads)):
-        # no expanded copies of K and V in memory, and the flash kernels take the grouping natively.
-        gqa = q.shape[2] != k.shape[2]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
-        )
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:
@@ -286,15 +292,18 @@ class Transformer(nn.Module):
                 # std dim**-0.5 makes initial logits roughly unit variance given a unit-RMS input.
                 fill(self.output.weight, _trunc_normal(self.model_args.dim**-0.5))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` [batch, seq] (or a pipeline stage's hidden states); `positions` [seq], the tokens' positions in
+        their sequence when they are not 0 .. seq - 1 (context parallel holds two chunks of each sequence)."""
         # The whole rotary table goes to the blocks, which take the rows they need from the sequence length inside
         # attention: a pipeline stage's input may be a sequence-sharded activation (tensor parallel), whose
         # length is not the sequence's.
         if tokens.dim() == 2 and tokens.shape[1] > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        rope = self.freqs_cis if positions is None else self.freqs_cis[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -1,8 +1,6 @@
 """Apply parallelisms to a Llama model (or one pipeline stage of it) in the house order: TP -> CP -> AC ->
 compile -> FSDP/HSDP or DDP (or no data-parallel wrapper when the data-parallel degree is 1). Pipeline parallel
 cuts the stages before this runs (torchtitan/components/model_parts.py).
-
-CP is rejected by config validation until its issue lands.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import torch.nn as nn
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp
@@ -27,6 +26,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled(p.disable_loss_parallel))
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
+    if parallel_dims.cp > 1:
+        apply_cp(model, parallel_dims.mesh("cp"))
     ac = job_config.activation_checkpoint
     apply_ac(model, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:

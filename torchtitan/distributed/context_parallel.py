@@ -1,0 +1,96 @@
+"""Context parallel: the sequence of every batch is split over the cp ranks; attention sees the whole sequence.
+
+Layout (head-tail load balancing): the sequence is cut into 2 x cp equal chunks and cp rank r holds chunks r and
+2 x cp - 1 - r, so every rank gets one early and one late chunk and the causal work (late queries see more keys)
+is the same on every rank. Inputs and labels are sharded that way before the forward (`shard_microbatches`), the
+rotary rows are taken at the tokens' global positions (the model's `positions` argument, fed by a forward
+pre-hook), and attention runs with all the keys and values of the sequence:
+
+    K, V (local, [B, H, S/cp, D]) --all-gather over the cp mesh--> [B, H, S, D] in cp-rank order
+    mask[q, k] = global position of k <= global position of q (causal, from the layout above)
+
+The all-gather is torch's functional collective with autograd: its backward is a reduce-scatter, which sums the
+gradients every rank's queries sent to this rank's keys and values. Memory per rank: the gathered K and V of one
+layer at a time (S x kv heads x head_dim, not S / cp) and the S/cp x S mask; activations otherwise fall by cp.
+This one implementation serves CPU and GPU (torch's own SDPA context parallel has no CPU rule;
+docs/parallelism.md).
+
+Loss normalisation is unchanged: each rank's loss is a sum over its tokens divided by the global token count,
+counted after sharding and all-reduced over dp x cp (the trainer's loss mesh), and FSDP shards over dp_shard x cp,
+so its reduce-scatter also sums the cp ranks' gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def sequence_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global positions of the tokens cp rank `cp_rank` holds, in its local order (chunk r, then 2 x cp - 1 - r)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first, second = cp_rank, 2 * cp - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+def shard_microbatches(microbatches: list[tuple[torch.Tensor, torch.Tensor]], cp_mesh
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This cp rank's tokens and labels of each [batch, seq] micro-batch (every cp rank of a data-parallel rank
+    reads the same batch)."""
+    if cp_mesh is None:
+        return microbatches
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    out = []
+    for inputs, labels in microbatches:
+        index = sequence_positions(inputs.shape[1], cp, rank)
+        out.append((inputs[:, index], labels[:, index]))
+    return out
+
+
+class AllGatherKVAttention(nn.Module):
+    """Causal attention of the local queries over the keys and values of every cp rank (see the module doc)."""
+
+    def __init__(self, cp_mesh) -> None:
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp, self.cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: [batch, heads, local seq, head_dim] (k and v may have fewer, grouped, heads)."""
+        import torch.distributed._functional_collectives as funcol
+
+        group = self.cp_mesh.get_group()
+        # The collective's output lands in cp-rank order: rank r's local chunks (r, 2cp-1-r) at rows r x S/cp.
+        k_all = funcol.wait_tensor(funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group))
+        v_all = funcol.wait_tensor(funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group))
+        local = q.shape[2]
+        seq_len = local * self.cp
+        q_pos = sequence_positions(seq_len, self.cp, self.cp_rank).to(q.device)
+        k_pos = torch.cat([sequence_positions(seq_len, self.cp, r) for r in range(self.cp)]).to(q.device)
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [local queries, all keys]: True = may attend
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _positions_hook(cp_mesh):
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def hook(module, args, kwargs):
+        tokens = args[0]
+        if tokens.dim() != 2:  # a pipeline stage's hidden states: not supported with cp (config check)
+            return None
+        positions = sequence_positions(tokens.shape[1] * cp, cp, rank).to(tokens.device)
+        return args, {**kwargs, "positions": positions}
+
+    return hook
+
+
+def apply_cp(model: nn.Module, cp_mesh) -> None:
+    """Every block's attention core becomes the all-gather-KV attention over `cp_mesh`, and the model's rotary
+    rows follow the tokens' global positions. `model` takes already sharded tokens ([batch, seq / cp])."""
+    for block in model.layers.values():
+        block.attention.sdpa = AllGatherKVAttention(cp_mesh)
+    model.register_forward_pre_hook(_positions_hook(cp_mesh), with_kwargs=True)
