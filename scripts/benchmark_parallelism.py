@@ -1,9 +1,12 @@
 """Training throughput of parallel layouts at equal world size, and compile on/off, as ratios in one run; with
---pipeline, the bubble of every pipeline schedule against its textbook value, and PP's throughput against FSDP's.
+--pipeline, the bubble of every pipeline schedule against its textbook value, and PP's throughput against FSDP's;
+with --context, context parallel's peak memory and throughput per device against FSDP's as the sequence grows.
 
     python scripts/benchmark_parallelism.py [--world 2] [--steps 30] [--seq-len 256] [--config ...] [-- overrides]
     python scripts/benchmark_parallelism.py --pipeline [--schedules GPipe,1F1B,...] [--microbatches 2,4,8]
         [--pp-steps 8] [--pp-warmup 2] [--throughput-schedules 1F1B,Interleaved1F1B] [--pp-split JSON] [-- overrides]
+    python scripts/benchmark_parallelism.py --context [--world 2] [--seq-lens 2048,4096,8192] [--cp-degrees 1,2]
+        [--context-steps 6] [--context-warmup 2] [-- overrides]
 
 Each layout is a real `run_train.sh` launch of the same config and global batch; tokens/s per process is the
 median of the logged steps after the first few (compilation and warm-up excluded). Layouts:
@@ -41,6 +44,27 @@ on this machine; on GPUs run it with NGPU-sized worlds and a bigger model for re
             `run_train.sh` launches like the layouts above (tokens/s per device), as ratios to FSDP.
 Bubbles are timed on whatever else the machine runs: on a shared CPU, a rank descheduled inside a chunk counts as
 compute, one descheduled between chunks as bubble. Read them as ratios of one run, not as absolute truths.
+
+--context prints one table, a row per sequence length (--seq-lens) and cp degree (--cp-degrees), each a real
+`run_train.sh` launch of --config (the debugmodel by default) on --world ranks for --context-steps steps:
+  layout    cp ranks share every sequence (2 x cp chunks, two per rank; torchtitan/distributed/context_parallel.py),
+            the other world / cp ranks are FSDP data parallel (dp_shard = world / cp, so cp = 1 is plain FSDP).
+            Local batch 1 and global batch dp = world / cp: every data-parallel rank trains one sequence of
+            seq_len tokens per step in every launch, split over its cp ranks. Validation and checkpoints are off,
+            every step is logged (metrics.log_freq 1) and every rank writes its metrics (save_for_all_ranks).
+  tokens/s  The trainer's `tps` (a rank's own tokens per second, cp ranks counting only their share: per device),
+            rank 0's median over the steps after --context-warmup.
+  peak mem  The largest peak of any rank over every logged step: `mem/max_active_gib` on CUDA (bytes held by live
+            tensors), `mem/max_rss_gib` on CPU (the process's resident-set high-water mark, which includes the
+            interpreter, torch and the data loader, about 0.5 GiB that no cp degree shrinks: on CPU the memory
+            ratio understates what cp saves in activations).
+  vs cp1    Peak memory and tokens/s over those of cp = 1 at the same seq_len (`-` when 1 is not in --cp-degrees).
+            Ideally memory falls towards 1/cp at long sequences and tokens/s stays at 1.00; what is lost goes to
+            the all-gather of keys and values (a reduce-scatter in the backward), to the explicit causal mask
+            of each chunk's prefix (cp = 1's is_causal kernel needs none), and to recomputing the chunk
+            attention in the backward (it is not kept, to keep the masks out of memory).
+Combinations where seq_len is not divisible by 2 x cp or cp does not divide --world are reported as skipped; a
+launch that fails is reported as failed, and the script exits 1 after the table.
 """
 
 from __future__ import annotations
@@ -78,19 +102,23 @@ def pipeline_args(world: int, schedule: str, split: str = "") -> list[str]:
             *(["--parallelism.module_fqns_per_model_part", split] if split else [])]
 
 
-def run(name: str, world: int, args: list[str], workdir: Path, warmup: int) -> dict:
+def run(name: str, world: int, args: list[str], workdir: Path, warmup: int, all_ranks: bool = False) -> dict:
+    """One `run_train.sh` launch: rank 0's median tokens/s after `warmup` steps and final loss; with `all_ranks`
+    every rank writes its metrics, and `ranks` holds each rank's logged records."""
     dump = workdir / name
     env = {**os.environ, "NGPU": str(world), "PYTHON": sys.executable, "PYTHONPATH": str(REPO),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor")}
     cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
-           "--job.print_config", "false", *args]
+           "--job.print_config", "false", *(["--metrics.save_for_all_ranks", "true"] if all_ranks else []), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    files = [dump / f"rank_{r}" / "metrics.jsonl" for r in range(world)] if all_ranks else [dump / "metrics.jsonl"]
+    ranks = [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+    records = ranks[0]
     steady = [r for r in records if r["step"] > warmup] or records[-1:]
-    return {"tps": statistics.median(r["tps"] for r in steady), "loss": records[-1]["loss"]}
+    return {"tps": statistics.median(r["tps"] for r in steady), "loss": records[-1]["loss"], "ranks": ranks}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,6 +318,104 @@ def print_pipeline_table(a, rows: dict[tuple[str, int], dict], tps: dict[str, di
         print(f"  skipped {note}")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Context parallel: peak memory and tokens/s per device against sequence length
+# ----------------------------------------------------------------------------------------------------------------
+
+CONTEXT_MEMORY_KEYS = ("mem/max_active_gib", "mem/max_rss_gib")  # CUDA's, then CPU's: the first one logged counts
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag}: positive integers, got {text!r}")
+    return values
+
+
+def context_skip(seq_len: int, cp: int, world: int) -> str:
+    """Why (seq_len, cp) cannot run on `world` ranks, or ''."""
+    if world % cp:
+        return f"cp {cp} does not divide world {world}"
+    if seq_len % (2 * cp):
+        return f"seq_len {seq_len} is not divisible by 2 x cp = {2 * cp}"
+    return ""
+
+
+def context_args(a, seq_len: int, cp: int) -> list[str]:
+    """The launch of (seq_len, cp): cp ranks per sequence, FSDP over the other world / cp, one sequence per
+    data-parallel rank."""
+    dp = a.world // cp
+    return ["--job.config_file", a.config, "--training.steps", str(a.context_steps), "--training.seq_len", str(seq_len),
+            "--training.local_batch_size", "1", "--training.global_batch_size", str(dp),
+            "--parallelism.context_parallel_degree", str(cp), "--parallelism.data_parallel_shard_degree", str(dp),
+            "--checkpoint.enable", "false", "--validation.enable", "false", *a.overrides]
+
+
+def peak_memory(ranks: list[list[dict]]) -> tuple[float, str]:
+    """The largest peak of any rank over every logged step, in GiB, and the metric it was read from."""
+    logged = [r for records in ranks for r in records]
+    for key in CONTEXT_MEMORY_KEYS:
+        values = [r[key] for r in logged if r.get(key) is not None]
+        if values:
+            return max(values), key
+    raise SystemExit(f"no memory metric ({', '.join(CONTEXT_MEMORY_KEYS)}) in the logged steps")
+
+
+def context_main(a) -> None:
+    seq_lens = _int_list(a.seq_lens, "--seq-lens")
+    cps = _int_list(a.cp_degrees, "--cp-degrees")
+    if a.context_steps <= a.context_warmup:
+        raise SystemExit(f"--context-steps {a.context_steps} leaves no step after --context-warmup {a.context_warmup}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {_torch_version()}, world {a.world}, "
+          f"config {a.config}, overrides {' '.join(a.overrides) or '-'}", flush=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq_len in seq_lens:
+            for cp in cps:
+                row = {"seq_len": seq_len, "cp": cp, "dp": a.world // cp}
+                rows.append(row)
+                row["skipped"] = context_skip(seq_len, cp, a.world)
+                if row["skipped"]:
+                    continue
+                start = time.perf_counter()
+                try:
+                    result = run(f"cp{cp}_seq{seq_len}", a.world, context_args(a, seq_len, cp), Path(tmp),
+                                 a.context_warmup, all_ranks=True)
+                except SystemExit as e:  # one failed launch (out of memory, say) must not lose the others' rows
+                    print(e, flush=True)
+                    row["failed"] = True
+                    continue
+                row["tps"] = result["tps"]
+                row["mem"], row["mem_key"] = peak_memory(result["ranks"])
+                print(f"seq_len {seq_len} cp {cp}: {row['tps']:.1f} tokens/s per device, peak {row['mem']:.3f} GiB "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+    print_context_table(a, rows)
+    if any(r.get("failed") for r in rows):
+        raise SystemExit(1)
+
+
+def print_context_table(a, rows: list[dict]) -> None:
+    keys = sorted({r["mem_key"] for r in rows if "mem_key" in r}) or ["mem/max_active_gib (CUDA) or mem/max_rss_gib"]
+    print(f"\nworld {a.world}, cp ranks per sequence and FSDP over dp = world / cp, one sequence per data-parallel "
+          f"rank, {a.context_steps} steps, tokens/s per device: rank 0's median after {a.context_warmup}; peak mem: "
+          f"max of {', '.join(keys)} over every logged step of every rank; config {a.config}")
+    print(f"{'seq_len':>7s} {'cp':>3s} {'dp':>3s} {'tokens/s/dev':>12s} {'peak mem GiB':>12s} {'mem vs cp1':>10s} "
+          f"{'tokens/s vs cp1':>15s}")
+    base = {r["seq_len"]: r for r in rows if r["cp"] == 1 and "tps" in r}
+    for r in rows:
+        head = f"{r['seq_len']:>7d} {r['cp']:>3d} "
+        if r["skipped"] or r.get("failed"):
+            print(head + f"{'-':>3s}  " + (f"skipped: {r['skipped']}" if r["skipped"] else "failed (output above)"))
+            continue
+        b = base.get(r["seq_len"])
+        mem_ratio = f"{r['mem'] / b['mem']:.2f}" if b else "-"
+        tps_ratio = f"{r['tps'] / b['tps']:.2f}" if b else "-"
+        print(head + f"{r['dp']:>3d} {r['tps']:12.1f} {r['mem']:12.3f} {mem_ratio:>10s} {tps_ratio:>15s}")
+
+
 def _torch_version() -> str:
     import torch
 
@@ -318,8 +444,21 @@ def main() -> None:
                              "('' = none, and no FSDP run)")
     parser.add_argument("--pp-split", default="", help="--pipeline: parallelism.module_fqns_per_model_part (JSON) for "
                         "the PP runs only, e.g. a balanced split; schedules it does not fit are skipped")
+    parser.add_argument("--context", action="store_true", help="context parallel's peak memory and tokens/s "
+                        "against cp=1 per sequence length instead (--steps, --warmup, --seq-len and --global-batch "
+                        "do not apply)")
+    parser.add_argument("--seq-lens", default="2048,4096,8192", help="--context: sequence lengths")
+    parser.add_argument("--cp-degrees", default="1,2", help="--context: cp degrees (each must divide --world; "
+                        "1 is the baseline of the ratios)")
+    parser.add_argument("--context-steps", type=int, default=6, help="--context: steps per launch")
+    parser.add_argument("--context-warmup", type=int, default=2, help="--context: steps excluded from the median")
     parser.add_argument("overrides", nargs="*", help="extra --section.key value overrides (after --)")
     a = parser.parse_args()
+    if a.pipeline and a.context:
+        raise SystemExit("--pipeline and --context are separate runs: pick one")
+    if a.context:
+        context_main(a)
+        return
     common = ["--job.config_file", a.config, "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len),
               "--training.global_batch_size", str(a.global_batch), "--checkpoint.enable", "false",
               "--validation.enable", "false", *a.overrides]

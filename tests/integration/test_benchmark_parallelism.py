@@ -1,6 +1,7 @@
 """scripts/benchmark_parallelism.py --pipeline runs end to end on a tiny workload and prints one table: a row per
 schedule with each rank's measured bubble, a fraction of the step, and the textbook value; PP's tokens/s next to
-FSDP's. Nothing timed is checked (benchmarks print ratios, tests never time)."""
+FSDP's. --context prints a row per cp degree with tokens/s per device, peak memory and their ratios to cp 1.
+Nothing timed is checked (benchmarks print ratios, tests never time)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,35 @@ def test_pipeline_section_prints_a_bubble_row_per_schedule(tt_cache_dir):
     assert float(rows["1F1B"][-2]) > 0 and float(rows["1F1B"][-1]) > 0, out
     assert rows["GPipe"][-2:] == ["-", "-"], out
     assert rows["FSDP"][-1] == "1.00" and float(rows["FSDP"][-2]) > 0, out
+
+
+def _context_rows(out: str) -> dict[int, list[str]]:
+    """--context's table rows at seq_len 256 by cp degree; the cells after seq_len and cp."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if len(cells) >= 3 and cells[0] == "256" and cells[1].isdigit():
+            rows[int(cells[1])] = cells[2:]
+    return rows
+
+
+def test_context_section_prints_a_row_per_cp_degree(tt_cache_dir):
+    env = {**os.environ, "TORCHTITAN_CACHE_DIR": str(tt_cache_dir), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # cp 3 does not divide the world: reported as skipped, never launched
+    args = ["--context", "--world", str(WORLD), "--seq-lens", "256", "--cp-degrees", "1,2,3", "--context-steps", "3"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"world {WORLD}" in out.splitlines()[0] and "torch" in out.splitlines()[0], out
+    rows = _context_rows(out)
+    assert set(rows) == {1, 2, 3}, out
+    for cp in (1, 2):
+        dp, tps, mem, mem_ratio, tps_ratio = rows[cp]
+        assert int(dp) == WORLD // cp, out
+        assert float(tps) > 0 and float(mem) > 0, out
+        assert float(mem_ratio) > 0 and float(tps_ratio) > 0, out
+    assert rows[1][-2:] == ["1.00", "1.00"], out  # cp 1 is the baseline of the ratios
+    assert rows[3][:2] == ["-", "skipped:"], out
+    assert "max of mem/max_rss_gib" in out, out  # CPU: the peak resident set of every rank

@@ -65,8 +65,9 @@ def _measure(rank: int, args: list[str], world: int) -> int:
         optimizer = OptimizersContainer(parts, cfg.optimizer, "cpu")
         pipeline = build_pipeline(resolved.pipeline, parts, resolved.parallel_dims, cfg, torch.device("cpu"))
         pp_mesh = resolved.parallel_dims.mesh("pp") if pipeline is not None else None
+        cp_mesh = resolved.parallel_dims.mesh("cp") if resolved.parallel_dims.cp > 1 else None
         run_steps(parts, optimizer, cfg, model_args.vocab_size, accum, loss_parallel, lambda phase: None,
-                  pipeline=pipeline, pp_mesh=pp_mesh)
+                  pipeline=pipeline, pp_mesh=pp_mesh, cp_mesh=cp_mesh)
     return _allocator_peak(prof)
 
 
@@ -81,7 +82,11 @@ def _measure(rank: int, args: list[str], world: int) -> int:
          "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], 0.08),
     (2, ["--training.local_batch_size", "8", "--parallelism.data_parallel_replicate_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"], 0.05),
-], ids=["fsdp2", "hsdp2x2", "fsdp2_full_ac", "tp2", "fsdp2_accum_op_ac", "ddp2"])
+    # context parallel: each rank holds half of every sequence, and one layer's gathered K and V
+    (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"], 0.05),
+    (4, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+         "--parallelism.tensor_parallel_degree", "2"], 0.05),
+], ids=["fsdp2", "hsdp2x2", "fsdp2_full_ac", "tp2", "fsdp2_accum_op_ac", "ddp2", "cp2", "cp2_tp2"])
 def test_estimate_within_5_percent_of_measured(world, layout, tolerance):
     args = [*BASE, *layout]
     measured = run_ranks(_measure, args, world, world=world, timeout=300)

@@ -6,12 +6,14 @@ is the same on every rank. Inputs and labels are sharded that way before the for
 rotary rows are taken at the tokens' global positions (the model's `positions` argument, fed by a forward
 pre-hook), and attention runs with all the keys and values of the sequence:
 
-    K, V (local, [B, H, S/cp, D]) --all-gather over the cp mesh--> [B, H, S, D] in cp-rank order
-    mask[q, k] = global position of k <= global position of q (causal, from the layout above)
+    K, V (local, [B, H, S/cp, D]) --all-gather over the cp mesh--> [B, H, S, D], put back in sequence order
+    each local query chunk (global chunk g) attends to the keys of chunks 0 .. g, causal within chunk g
 
 The all-gather is torch's functional collective with autograd: its backward is a reduce-scatter, which sums the
-gradients every rank's queries sent to this rank's keys and values. Memory per rank: the gathered K and V of one
-layer at a time (S x kv heads x head_dim, not S / cp) and the S/cp x S mask; activations otherwise fall by cp.
+gradients every rank's queries sent to this rank's keys and values. Memory per rank: the gathered K and V (S x kv
+heads x head_dim, not S / cp) of each layer; the chunk's mask and attention are recomputed in the backward rather
+than kept, so the rest of the activations fall by cp. Work per rank: the keys after a chunk are skipped, so the
+two chunks together read (2 cp + 1) / (4 cp) of the S x S/cp scores, about the causal half.
 This one implementation serves CPU and GPU (torch's own SDPA context parallel has no CPU rule;
 docs/parallelism.md).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def sequence_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -64,15 +67,33 @@ class AllGatherKVAttention(nn.Module):
         import torch.distributed._functional_collectives as funcol
 
         group = self.cp_mesh.get_group()
-        # The collective's output lands in cp-rank order: rank r's local chunks (r, 2cp-1-r) at rows r x S/cp.
+        # The collective's output lands in cp-rank order (rank r's chunks r and 2cp-1-r at rows r x S/cp); index
+        # it back into sequence order so that each query chunk reads the keys before it as one prefix.
         k_all = funcol.wait_tensor(funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group))
         v_all = funcol.wait_tensor(funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group))
-        local = q.shape[2]
-        seq_len = local * self.cp
-        q_pos = sequence_positions(seq_len, self.cp, self.cp_rank).to(q.device)
-        k_pos = torch.cat([sequence_positions(seq_len, self.cp, r) for r in range(self.cp)]).to(q.device)
-        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [local queries, all keys]: True = may attend
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        chunk = q.shape[2] // 2
+        seq_len = 2 * chunk * self.cp
+        gathered_pos = torch.cat([sequence_positions(seq_len, self.cp, r) for r in range(self.cp)])
+        order = torch.argsort(gathered_pos).to(q.device)
+        k_seq, v_seq = k_all.index_select(2, order), v_all.index_select(2, order)
+        outs = []
+        for half, global_chunk in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
+            q_chunk = q[:, :, half * chunk:(half + 1) * chunk]
+            end = (global_chunk + 1) * chunk  # keys after this chunk are all in its future: left out
+            # Recomputed in the backward instead of saved: the mask (and the float copy SDPA makes of it) would
+            # otherwise stay alive for every layer, chunk x seq_len elements each.
+            outs.append(checkpoint(_prefix_causal_attention, q_chunk, k_seq[:, :, :end], v_seq[:, :, :end],
+                                   use_reentrant=False))
+        return torch.cat(outs, dim=2)
+
+
+def _prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q, the last q.shape[2] positions of a prefix, over the keys of that prefix: causal aligned to
+    the bottom right (query i of the chunk sees keys up to its own position)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
+    mask = torch.arange(n_k, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _positions_hook(cp_mesh):
