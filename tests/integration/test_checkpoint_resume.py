@@ -131,6 +131,24 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
         assert not problems, (dest.name, problems[:5])
 
 
+FSDP2_CP2 = (*dp(4, 2), "--parallelism.context_parallel_degree", "2")
+
+
+def test_resume_across_context_parallel_layouts(straight_fsdp4, pools, tmp_path):
+    """FSDP 4 step 6 -> FSDP 2 x CP 2 (saves step 9) -> FSDP 4 from its step 9: a context-parallel run's checkpoint
+    (FSDP over dp_shard x cp) reshards both ways and the curve continues."""
+    folder, straight = straight_fsdp4
+    cp_run, back = tmp_path / "fsdp2_cp2", tmp_path / "fsdp4"
+    _resume_from(folder, 6, cp_run)
+    resumed = train_layout(pools, 4, (*CKPT, *FSDP2_CP2, "--checkpoint.interval", "3"), cp_run)
+    problems = compare(resumed, _from_step(straight, 7))
+    assert not problems, problems[:5]
+    _resume_from(cp_run, 9, back)
+    again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
+    problems = compare(again, _from_step(straight, 10))
+    assert not problems, problems[:5]
+
+
 EXTEND = (*dp(4, 2), "--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.decay_ratio", "0")
 
 
