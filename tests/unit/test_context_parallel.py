@@ -113,8 +113,6 @@ def test_shard_microbatches_without_cp_is_the_identity():
     (["--model.flavor", "debugmodel", "--training.seq_len", "20", "--parallelism.tensor_parallel_degree", "4"], 8,
      "training.seq_len=20 over context_parallel_degree=2 leaves 10 tokens per rank, not divisible by "
      "tensor_parallel_degree=4"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"], 4,
-     "context parallel together with pipeline parallel is not available yet"),
     (["--parallelism.context_parallel_rotate_method", "alltoall"], 2, "parallelism.context_parallel_rotate_method"),
     (["--validation.enable", "true", "--validation.seq_len", "30"], 2,
      "validation.seq_len=30 is not divisible by 2 x context_parallel_degree = 4"),

@@ -158,8 +158,6 @@ def _check_context_parallel(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     if cp == 1:
         return
-    if p.pipeline_parallel_degree > 1:
-        _not_yet("parallelism.context_parallel_degree", "context parallel together with pipeline parallel")
     for key, seq_len in seq_lens.items():
         if seq_len % (2 * cp):
             _err(f"{key}={seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each rank holds two "

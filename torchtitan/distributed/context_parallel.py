@@ -100,18 +100,18 @@ def _positions_hook(cp_mesh):
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def hook(module, args, kwargs):
-        tokens = args[0]
-        if tokens.dim() != 2:  # a pipeline stage's hidden states: not supported with cp (config check)
-            return None
-        positions = sequence_positions(tokens.shape[1] * cp, cp, rank).to(tokens.device)
-        return args, {**kwargs, "positions": positions}
+        # tokens [batch, seq / cp], or a later pipeline stage's hidden states [batch, seq / cp, dim] (a DTensor of
+        # that global shape under sequence parallel: tensor parallel's pre-hook runs first)
+        local = args[0].shape[1]
+        return args, {**kwargs, "positions": sequence_positions(local * cp, cp, rank).to(args[0].device)}
 
     return hook
 
 
 def apply_cp(model: nn.Module, cp_mesh) -> None:
     """Every block's attention core becomes the all-gather-KV attention over `cp_mesh`, and the model's rotary
-    rows follow the tokens' global positions. `model` takes already sharded tokens ([batch, seq / cp])."""
+    rows follow the tokens' global positions. `model` (the model or a pipeline stage) takes already sharded tokens
+    ([batch, seq / cp]) or hidden states."""
     for block in model.layers.values():
         block.attention.sdpa = AllGatherKVAttention(cp_mesh)
     model.register_forward_pre_hook(_positions_hook(cp_mesh), with_kwargs=True)

@@ -188,9 +188,10 @@ def _create_optimizer_state(parts, optimizer) -> None:
 
 
 def _hidden_shape(cfg: JobConfig, parallel_dims: ParallelDims, model_args) -> tuple[int, int, int]:
-    # Between stages a rank holds its sequence shard of the residual stream (sequence parallel under TP).
-    return (cfg.parallelism.pipeline_parallel_microbatch_size, cfg.training.seq_len // parallel_dims.tp,
-            model_args.dim)
+    # Between stages a rank holds its sequence shard of the residual stream (its cp share, then sequence parallel's
+    # tp share of that).
+    return (cfg.parallelism.pipeline_parallel_microbatch_size,
+            cfg.training.seq_len // (parallel_dims.cp * parallel_dims.tp), model_args.dim)
 
 
 def _hidden_dtype(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str) -> torch.dtype:
