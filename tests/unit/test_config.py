@@ -590,7 +590,6 @@ INVALID_VALUES = [
 ]
 
 NOT_AVAILABLE = [
-    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),
     (["--parallelism.expert_tensor_parallel_degree", "2"], "parallelism.expert_tensor_parallel_degree"),
     (["--model.converters", "float8"], "model.converters"),
@@ -616,7 +615,7 @@ def test_not_available_yet(argv, key):
     assert "not available yet" in msg
 
 
-@pytest.mark.parametrize(("argv", "key"), INVALID_VALUES[:6] + NOT_AVAILABLE[:3])
+@pytest.mark.parametrize(("argv", "key"), INVALID_VALUES[:6] + NOT_AVAILABLE[:2])
 def test_invalid_value_from_toml_is_checked_too(tmp_path, argv, key):
     section, name = argv[0][2:].split(".")
     value = argv[1] if len(argv) > 1 else "true"
