@@ -128,3 +128,5 @@ CP_LAYOUTS = [
     # later stages take hidden states: their rotary positions come from the cp rank, as the first stage's do
     Layout("pp2_cp2_interleaved", 4, (*dp(8, 1), *_CP2, *pp("Interleaved1F1B"))),
 ]
+
+ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS

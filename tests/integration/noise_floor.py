@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from tests.integration.conftest import train_layout
-from tests.integration.layouts import LAYOUTS, REFERENCES, dp
+from tests.integration.layouts import ALL_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import TOLERANCE, max_relative_differences
 from tests.integration.pool import Pools
 
@@ -28,7 +28,7 @@ def main() -> None:
         refs = {name: train_layout(pools, 1, ref.overrides, tmp / name) for name, ref in REFERENCES.items()}
         rows = [("reordered 1-process (noise floor)", max_relative_differences(
             train_layout(pools, 1, dp(2, 1), tmp / "reordered"), refs["single_process"]))]
-        for layout in LAYOUTS:
+        for layout in ALL_LAYOUTS:
             run = train_layout(pools, layout.nproc, layout.overrides, tmp / layout.name)
             worst = max_relative_differences(run, refs[layout.reference])
             rows.append((f"{layout.name} ({layout.nproc} ranks)", worst))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.conftest import train_layout
-from tests.integration.layouts import CP_LAYOUTS, LAYOUTS, PP_LAYOUTS, REFERENCES, dp
+from tests.integration.layouts import ALL_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import TOLERANCE, compare, max_relative_differences
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ def test_reference_learns(name, reference):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-@pytest.mark.parametrize("layout", LAYOUTS + PP_LAYOUTS + CP_LAYOUTS, ids=lambda layout: layout.name)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)
     assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, False, True, False, False, True]

@@ -22,8 +22,8 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 def test_every_parity_layout_is_listed_in_the_testing_page():
-    from tests.integration.layouts import LAYOUTS, REFERENCES
+    from tests.integration.layouts import ALL_LAYOUTS, REFERENCES
 
     page = (REPO / "docs" / "testing.md").read_text()
-    for name in [*REFERENCES, *(layout.name for layout in LAYOUTS)]:
+    for name in [*REFERENCES, *(layout.name for layout in ALL_LAYOUTS)]:
         assert f"`{name}`" in page, f"docs/testing.md does not list the layout {name}"
