@@ -123,8 +123,6 @@ CP_LAYOUTS = [
     Layout("fsdp2_cp2_accum", 4, (*dp(2, 2), *_CP2)),
     Layout("tp2_cp2", 4, (*dp(8, 1), *_CP2, *_TP2)),
     Layout("hsdp2x1_cp2", 4, (*dp(4, 2), *_CP2, *_REPLICATE, "2")),
-    # per-block compile with the all-gather and the recomputed chunk attention inside the compiled blocks
-    Layout("cp2_compile", 2, (*dp(8, 1), *_CP2, "--compile.enable", "true")),
     # later stages take hidden states: their rotary positions come from the cp rank, as the first stage's do
     Layout("pp2_cp2_interleaved", 4, (*dp(8, 1), *_CP2, *pp("Interleaved1F1B"))),
 ]
