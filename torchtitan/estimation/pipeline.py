@@ -36,7 +36,7 @@ class PipelineActions:
     def __init__(self, pipeline: Pipeline, n_microbatches: int, hidden_shape: tuple[int, ...],
                  hidden_dtype: torch.dtype):
         """`hidden_shape` is one pipeline micro-batch's activation between stages, as this rank holds it
-        ([micro-batch, seq_len / tp with sequence parallel, dim])."""
+        ([micro-batch, seq_len / cp / tp: its context-parallel share, cut again by sequence parallel, dim])."""
         self.pipeline, self.loss_fn = pipeline, pipeline.loss_fn
         self.parts = dict(zip(pipeline.stage_ids, pipeline.parts, strict=True))
         self.last = pipeline.plan.num_stages - 1
