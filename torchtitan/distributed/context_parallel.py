@@ -30,14 +30,16 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def sequence_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """Global positions of the tokens cp rank `cp_rank` holds, in its local order (chunk r, then 2 x cp - 1 - r)."""
+def sequence_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Global positions of the tokens cp rank `cp_rank` holds, in its local order (chunk r, then 2 x cp - 1 - r).
+    Built on `device` directly: attention asks for them in every layer, and a host-to-GPU copy there would
+    synchronise."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp}")
     chunk = seq_len // (2 * cp)
     first, second = cp_rank, 2 * cp - 1 - cp_rank
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                      torch.arange(second * chunk, (second + 1) * chunk)])
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
 
 
 def shard_microbatches(microbatches: list[tuple[torch.Tensor, torch.Tensor]], cp_mesh
@@ -73,8 +75,8 @@ class AllGatherKVAttention(nn.Module):
         v_all = funcol.wait_tensor(funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group))
         chunk = q.shape[2] // 2
         seq_len = 2 * chunk * self.cp
-        gathered_pos = torch.cat([sequence_positions(seq_len, self.cp, r) for r in range(self.cp)])
-        order = torch.argsort(gathered_pos).to(q.device)
+        gathered_pos = torch.cat([sequence_positions(seq_len, self.cp, r, q.device) for r in range(self.cp)])
+        order = torch.argsort(gathered_pos)
         k_seq, v_seq = k_all.index_select(2, order), v_all.index_select(2, order)
         outs = []
         for half, global_chunk in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
@@ -103,7 +105,7 @@ def _positions_hook(cp_mesh):
         # tokens [batch, seq / cp], or a later pipeline stage's hidden states [batch, seq / cp, dim] (a DTensor of
         # that global shape under sequence parallel: tensor parallel's pre-hook runs first)
         local = args[0].shape[1]
-        return args, {**kwargs, "positions": sequence_positions(local * cp, cp, rank).to(args[0].device)}
+        return args, {**kwargs, "positions": sequence_positions(local * cp, cp, rank, args[0].device)}
 
     return hook
 
