@@ -130,7 +130,8 @@ def compare_worker(opts: dict, world: int, device, tmp: str) -> dict:
                 times["trainer"].append(step_times)
                 if not batches:  # the bare loop's batches: the same loader, read ahead of its timing
                     cfg, it = trainer.cfg, iter(trainer.dataloader)
-                    batches = [tuple(t.to(device) for t in next(it)) for _ in range(opts["steps"])]
+                    batches = [(b["tokens"].to(device), b["labels"].to(device))
+                               for b in (next(it) for _ in range(opts["steps"]))]
                     trainer.dataloader.close()
             else:
                 times["bare"].append(run_bare(opts, cfg, world, device, batches))

@@ -86,6 +86,7 @@ class Trainer:
             dp_rank=dp_mesh.get_local_rank(),
             dp_degree=dp_mesh.size(),
             num_workers=t.num_workers,
+            document_masking=cfg.model.attn_mask_type == "block_causal",
         )
         self.loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
         self.loss_fn = cross_entropy_sum
@@ -184,13 +185,13 @@ class Trainer:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / self.cfg.job.save_config_file).write_text(text + "\n")
 
-    def train_step(self, step: int, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def train_step(self, step: int, microbatches: list[dict[str, torch.Tensor]]):
         """Forward/backward every micro-batch, check, clip, step. Returns (local loss sum, local tokens, global
         tokens, grad norm)."""
         # Context parallel: this rank's share of every sequence (torchtitan/distributed/context_parallel.py).
         microbatches = shard_microbatches(microbatches, self.cp_mesh)
         # Counted on the host (labels arrive there) so logging never waits on the device for it.
-        local_tokens = sum(count_target_tokens(labels) for _, labels in microbatches)
+        local_tokens = sum(count_target_tokens(batch["labels"]) for batch in microbatches)
         global_tokens = dist_utils.all_reduce(local_tokens.to(self.device), self.loss_mesh, "sum")
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
         self.guard.step = step

@@ -42,10 +42,18 @@ def dp(local_batch: int, dp_degree: int) -> tuple[str, ...]:
             "--validation.local_batch_size", str(GLOBAL_BATCH // dp_degree))
 
 
+# Document masking: attention within each packed document, rotary positions restarting in each. On short documents
+# (one sentence each, tests/integration/data/make_short_documents.py) every 64-token row packs several of them.
+_SHORT_DOCUMENTS_FILE = str(Path(__file__).parent / "data" / "short_documents.jsonl")
+SHORT_DOCUMENTS = ("--training.dataset_path", _SHORT_DOCUMENTS_FILE, "--validation.dataset_path", _SHORT_DOCUMENTS_FILE)
+_BLOCK_CAUSAL = (*SHORT_DOCUMENTS, "--model.attn_mask_type", "block_causal")
+
 REFERENCES = {
     "single_process": Layout("single_process", 1, dp(8, 1)),
     "single_process_tied": Layout("single_process_tied", 1, (*dp(8, 1), "--model.flavor", "debugmodel_small_tied")),
     "single_process_no_clip": Layout("single_process_no_clip", 1, (*dp(8, 1), "--training.max_norm", "0")),
+    "single_process_block_causal": Layout("single_process_block_causal", 1, (*dp(8, 1), *_BLOCK_CAUSAL)),
+    "single_process_short_documents": Layout("single_process_short_documents", 1, (*dp(8, 1), *SHORT_DOCUMENTS)),
 }
 
 _REPLICATE = ("--parallelism.data_parallel_replicate_degree",)
@@ -127,4 +135,12 @@ CP_LAYOUTS = [
     Layout("pp2_cp2_interleaved", 4, (*dp(8, 1), *_CP2, *pp("Interleaved1F1B"))),
 ]
 
-ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS
+# Under CP every rank keeps the whole sequence's document ids (its keys come from every rank); under PP they reach
+# every stage.
+BLOCK_CAUSAL_LAYOUTS = [
+    Layout(f"{layout.name}_block_causal", layout.nproc, (*layout.overrides, *_BLOCK_CAUSAL),
+           reference="single_process_block_causal")
+    for layout in CP_LAYOUTS
+]
+
+ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS

@@ -509,6 +509,7 @@ INVALID_VALUES = [
     # model
     (["--model.name", "gpt9"], "model.name"),
     (["--model.flavor", "13T"], "model.flavor"),
+    (["--model.attn_mask_type", "block"], "model.attn_mask_type"),
     # optimizer
     (["--optimizer.name", "SGD"], "optimizer.name"),
     (["--optimizer.name", "adamw"], "optimizer.name"),

@@ -78,7 +78,7 @@ class _MaskedByPositions(torch.nn.Module):
         super().__init__()
         self.positions = positions
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, document_ids=None):
         mask = self.positions.unsqueeze(0) <= self.positions.unsqueeze(1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -102,7 +102,7 @@ def test_model_positions_select_the_rotary_rows():
 
 
 def test_shard_microbatches_without_cp_is_the_identity():
-    batch = [(torch.arange(8).view(1, 8), torch.arange(8).view(1, 8))]
+    batch = [{"tokens": torch.arange(8).view(1, 8), "labels": torch.arange(8).view(1, 8)}]
     assert shard_microbatches(batch, None) is batch
 
 

@@ -68,20 +68,30 @@ def _loader(source: ListSource, seq_len: int, b: int, rank: int = 0, dp: int = 1
     return build_dataloader(source=source, seq_len=seq_len, local_batch_size=b, dp_rank=rank, dp_degree=dp, **kw)
 
 
+def _as_tuple(batch: dict[str, torch.Tensor] | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(tokens, labels[, positions, document_ids]) of a batch dict, in the loader's key order."""
+    if isinstance(batch, dict):
+        assert list(batch)[:2] == ["tokens", "labels"] and set(batch) <= {"tokens", "labels", "positions",
+                                                                         "document_ids"}, list(batch)
+        return tuple(batch.values())
+    return batch
+
+
 def _take(loader, steps: int) -> list[tuple[torch.Tensor, ...]]:
     it = iter(loader)
-    return [next(it) for _ in range(steps)]
+    return [_as_tuple(next(it)) for _ in range(steps)]
 
 
 def _rows(batches: list[tuple[torch.Tensor, ...]]) -> list[list[int]]:
     # Rebuild each seq_len+1 window from (input_ids, labels); an ignored last label was padding (EOS).
-    pairs = [(x, y) for xb, yb, *_ in batches for x, y in zip(xb, yb, strict=True)]
+    pairs = [(x, y) for xb, yb, *_ in map(_as_tuple, batches) for x, y in zip(xb, yb, strict=True)]
     return [x.tolist() + [int(y[-1]) if y[-1] != -100 else EOS] for x, y in pairs]
 
 
-def _same(xs: list[tuple[torch.Tensor, ...]], ys: list[tuple[torch.Tensor, ...]]) -> bool:
+def _same(xs: list, ys: list) -> bool:
     if len(xs) != len(ys):
         return False
+    xs, ys = list(map(_as_tuple, xs)), list(map(_as_tuple, ys))
     return all(len(a) == len(c) and all(map(torch.equal, a, c)) for a, c in zip(xs, ys, strict=True))
 
 
@@ -89,19 +99,24 @@ def test_windows_positions_and_epochs() -> None:
     source, seq_len, b = _source(), 16, 3
     ref_tokens, ref_positions = _reference(source, 0, epochs=1)
     steps = len(ref_tokens) // ((seq_len + 1) * b) * 2 + 2  # two epochs and a bit
-    batches = _take(_loader(source, seq_len, b, return_positions=True), steps)
+    batches = _take(_loader(source, seq_len, b, document_masking=True), steps)
     ref_tokens, ref_positions = _reference(source, steps * b * (seq_len + 1))
-    for k, (x, y, pos) in enumerate(batches):
-        assert x.shape == y.shape == pos.shape == (b, seq_len)
-        assert x.dtype == y.dtype == pos.dtype == torch.int64
+    first_column = (torch.arange(seq_len) == 0).expand(b, seq_len)
+    for k, (x, y, pos, docs) in enumerate(batches):
+        assert x.shape == y.shape == pos.shape == docs.shape == (b, seq_len)
+        assert x.dtype == y.dtype == pos.dtype == docs.dtype == torch.int64
         assert torch.equal(x[:, 1:], y[:, :-1])
         start = k * b * (seq_len + 1)
         window = torch.tensor(ref_positions[start : start + b * (seq_len + 1)]).view(b, seq_len + 1)
-        assert torch.equal(pos, window[:, :-1])
-        # Positions restart at 0 exactly at every BOS and count up by one inside a document.
-        assert torch.equal(pos == 0, x == BOS)
+        # In-document positions, counted from the row's start for a document that began before it.
+        assert torch.equal(pos, torch.minimum(window[:, :-1], torch.arange(seq_len)))
+        # Positions restart at 0 exactly at every BOS (and at the row's start) and count up by one inside a document.
+        assert torch.equal(pos == 0, (x == BOS) | first_column)
         step_up = pos[:, 1:] == pos[:, :-1] + 1
         assert torch.equal(step_up, x[:, 1:] != BOS)
+        # A new document id exactly where a position restarts.
+        assert torch.equal(docs[:, 0], torch.ones(b, dtype=torch.int64))
+        assert torch.equal(docs[:, 1:] - docs[:, :-1], (pos[:, 1:] == 0).long())
     rows = _rows(batches)
     w = seq_len + 1
     assert rows == [ref_tokens[i * w : (i + 1) * w] for i in range(steps * b)]
@@ -254,7 +269,8 @@ def test_too_small_dataset() -> None:
 def test_finite_pass_even_and_exactly_once(dp: int, n_docs: int) -> None:
     source, seq_len, b = _source(n_docs, seed=n_docs, bad=frozenset({2})), 8, 2
     w = seq_len + 1
-    per_rank = [list(_loader(source, seq_len, b, r, dp, infinite=False, return_positions=True)) for r in range(dp)]
+    per_rank = [[_as_tuple(batch) for batch in _loader(source, seq_len, b, r, dp, infinite=False,
+                                                       document_masking=True)] for r in range(dp)]
     steps = len(per_rank[0])
     assert all(len(batches) == steps for batches in per_rank)  # no rank waits in a collective alone
     tokens, _ = _reference(source, 0, epochs=1)
@@ -273,7 +289,8 @@ def test_finite_pass_even_and_exactly_once(dp: int, n_docs: int) -> None:
     positions = [p.tolist() for k in range(steps) for r in range(dp) for p in per_rank[r][k][2]]
     for j, row in enumerate(positions):
         real = min(max(len(tokens) - j * w, 0), seq_len)
-        assert row == ref_positions[j * w : j * w + real] + list(range(seq_len - real))
+        in_document = [min(p, i) for i, p in enumerate(ref_positions[j * w : j * w + real])]
+        assert row == in_document + list(range(seq_len - real))
 
 
 def test_bad_state() -> None:

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 def test_identical_for_any_num_workers() -> None:
     source, seq_len, b = _source(50), 8, 2
     steps = 40  # about two epochs
-    ref = _take(_loader(source, seq_len, b, 1, 2, return_positions=True), steps)
+    ref = _take(_loader(source, seq_len, b, 1, 2, document_masking=True), steps)
     for workers in (1, 2, 3):
-        dl = _loader(source, seq_len, b, 1, 2, num_workers=workers, return_positions=True)
+        dl = _loader(source, seq_len, b, 1, 2, num_workers=workers, document_masking=True)
         assert _same(_take(dl, steps), ref), workers
         dl.close()
 
@@ -46,9 +46,9 @@ def test_fewer_documents_than_workers() -> None:
 
 def test_finite_with_workers_matches_in_process() -> None:
     source = _source(23, seed=5)
-    ref = [list(_loader(source, 8, 2, r, 3, infinite=False, return_positions=True)) for r in range(3)]
+    ref = [list(_loader(source, 8, 2, r, 3, infinite=False, document_masking=True)) for r in range(3)]
     for r in range(3):
-        dl = _loader(source, 8, 2, r, 3, infinite=False, return_positions=True, num_workers=2)
+        dl = _loader(source, 8, 2, r, 3, infinite=False, document_masking=True, num_workers=2)
         assert _same(list(dl), ref[r])
         if r == 0:
             # Every iter() is a whole pass from the start, also after a pass left unfinished
@@ -95,11 +95,11 @@ def test_real_tokenizer(tmp_path: Path) -> None:
     backend.train_from_iterator((text for _, text in source.iter_documents()), trainer=trainer)
     backend.save(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer(str(tmp_path / "tokenizer.json"), tmp_path)
-    batches = _take(_loader(source, 32, 2, tokenizer=tok, return_positions=True), 6)
+    batches = _take(_loader(source, 32, 2, tokenizer=tok, document_masking=True), 6)
     expected = [t for _, text in source.iter_documents() for t in tok.encode(text)]
     assert [t for row in _rows(batches) for t in row] == expected[: 6 * 2 * 33]
     assert tok.decode(expected[:40]).startswith("<|begin_of_text|>doc 0: ")
-    workers = _loader(source, 32, 2, tokenizer=tok, return_positions=True, num_workers=2)
+    workers = _loader(source, 32, 2, tokenizer=tok, document_masking=True, num_workers=2)
     assert _same(_take(workers, 6), batches)
     workers.close()
 

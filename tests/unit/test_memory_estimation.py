@@ -86,7 +86,13 @@ def _measure(rank: int, args: list[str], world: int) -> int:
     (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"], 0.05),
     (4, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
          "--parallelism.tensor_parallel_degree", "2"], 0.05),
-], ids=["fsdp2", "hsdp2x2", "fsdp2_full_ac", "tp2", "fsdp2_accum_op_ac", "ddp2", "cp2", "cp2_tp2"])
+    # document masking: each layer's mask (and SDPA's float copy of it) is kept for the backward; under CP it is
+    # recomputed per chunk instead
+    (2, ["--training.local_batch_size", "8", "--model.attn_mask_type", "block_causal"], 0.05),
+    (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+         "--model.attn_mask_type", "block_causal"], 0.05),
+], ids=["fsdp2", "hsdp2x2", "fsdp2_full_ac", "tp2", "fsdp2_accum_op_ac", "ddp2", "cp2", "cp2_tp2",
+        "fsdp2_block_causal", "cp2_block_causal"])
 def test_estimate_within_5_percent_of_measured(world, layout, tolerance):
     args = [*BASE, *layout]
     measured = run_ranks(_measure, args, world, world=world, timeout=300)

@@ -18,7 +18,7 @@ from torchtitan.distributed.utils import clip_grads_, total_grad_norm
 def forward_backward_step(
     model_parts: list[torch.nn.Module],
     optimizer,
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list[dict[str, torch.Tensor]],
     global_tokens: torch.Tensor,
     *,
     loss_fn: Callable,
@@ -33,6 +33,9 @@ def forward_backward_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward every micro-batch, clip, step. Returns (local loss sum, grad norm before clipping).
 
+    A micro-batch is a dict: "tokens" and "labels", and the model's other inputs by keyword ("positions",
+    "document_ids" with document masking; torchtitan/data/dataloader.py).
+
     Every rank divides its loss sum by the same global token count, so summed gradients equal the 1-process
     gradient. With `pipeline` (torchtitan/distributed/pipeline_parallel.py) each micro-batch runs through the
     pipeline schedule, which cuts it again into pipeline micro-batches; the loss sum is then non-zero only on
@@ -46,20 +49,20 @@ def forward_backward_step(
     local_loss_sum = torch.zeros((), device=device)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     last = len(microbatches) - 1
-    for micro, (inputs, labels) in enumerate(microbatches):
+    for micro, batch in enumerate(microbatches):
         phase("forward", micro)
-        inputs = inputs.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
+        inputs = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        tokens, labels = inputs.pop("tokens"), inputs.pop("labels")
         if pipeline is not None:
             # Forward, loss and backward of every pipeline micro-batch happen inside the schedule; loss parallel
             # must cover all three.
             with autocast if autocast is not None else nullcontext(), loss_parallel_context(loss_parallel):
-                local_loss_sum += pipeline.forward_backward(inputs, labels, global_tokens) * global_tokens
+                local_loss_sum += pipeline.forward_backward(tokens, labels, global_tokens, inputs) * global_tokens
             continue
         model = model_parts[0]
         set_gradient_sync(model, micro == last)  # DDP reduces once, after the last micro-batch
         with autocast if autocast is not None else nullcontext():
-            logits = model(inputs)
+            logits = model(tokens, **inputs)
         phase("loss", micro)
         # With loss parallel the logits stay vocab-sharded over tp; the context must cover loss and backward.
         with loss_parallel_context(loss_parallel):

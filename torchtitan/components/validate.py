@@ -66,6 +66,7 @@ class Validator:
             dp_rank=dp_rank,
             dp_degree=dp_degree,
             infinite=False,
+            document_masking=cfg.model.attn_mask_type == "block_causal",
         )
 
     @torch.no_grad()
@@ -80,17 +81,18 @@ class Validator:
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         batches = 0
-        for inputs, labels in loader:
+        for batch in loader:
             if self.cfg.validation.steps != -1 and batches >= self.cfg.validation.steps:
                 break  # every rank yields the same number of batches, so all stop together
-            [(inputs, labels)] = shard_microbatches([(inputs, labels)], self.cp_mesh)
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            [batch] = shard_microbatches([batch], self.cp_mesh)
+            inputs = {key: value.to(self.device) for key, value in batch.items()}
+            input_ids, labels = inputs.pop("tokens"), inputs.pop("labels")
             if pipeline is not None:  # forward only, through the stages; the loss on the last one
                 with autocast, loss_parallel_context(self.loss_parallel):
-                    loss_sum += pipeline.eval_loss_sum(inputs, labels, self.loss_fn)
+                    loss_sum += pipeline.eval_loss_sum(input_ids, labels, self.loss_fn, inputs)
             else:
                 with autocast:
-                    logits = model_parts[0](inputs)
+                    logits = model_parts[0](input_ids, **inputs)
                 with loss_parallel_context(self.loss_parallel):
                     loss_sum += local_value(self.loss_fn(logits, labels))
             tokens += count_target_tokens(labels)

@@ -33,6 +33,8 @@ class Model:
     """tokenizer.json file or a folder holding one ("" = the default BPE trained on the embedded corpus)"""
     converters: list[str] = field(default_factory=list)
     """Model converters applied after building, e.g. ["float8"] (not available yet)"""
+    attn_mask_type: str = "causal"
+    """causal (every earlier token of the packed row) | block_causal (only its own document's; docs/data.md)"""
 
 
 @dataclass

@@ -82,6 +82,7 @@ def _check_model(cfg: JobConfig) -> None:
         _err(str(e.args[0]))
     if cfg.model.flavor not in spec.flavors:
         _err(f"model.flavor: unknown flavor '{cfg.model.flavor}' of {spec.name}; known: {', '.join(spec.flavors)}")
+    _one_of("model.attn_mask_type", cfg.model.attn_mask_type, ("causal", "block_causal"))
 
 
 def _check_optimizer(cfg: JobConfig) -> None:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from torchtitan.data.source import DocumentSource
     from torchtitan.data.tokenizer import Tokenizer
 
-__all__ = ["STATE_KEYS", "PackedDataLoader", "build_dataloader"]
+__all__ = ["STATE_KEYS", "PackedDataLoader", "build_dataloader", "document_ids_from_positions"]
 
 STATE_KEYS = ("sequences_consumed", "next_doc", "doc_token_offset", "epoch")
 # ~8K tokens of code per block: ~10 ms of BPE work, so one pickled message per block costs <1%.
@@ -242,11 +242,11 @@ class PackedDataLoader:
     """
 
     def __init__(self, *, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, num_workers: int, infinite: bool, return_positions: bool,
+                 dp_rank: int, dp_degree: int, num_workers: int, infinite: bool, document_masking: bool,
                  block_chars: int):
         self.source, self.tokenizer, self.seq_len, self.local_batch_size = source, tokenizer, seq_len, local_batch_size
         self.dp_rank, self.dp_degree, self.num_workers, self.block_chars = dp_rank, dp_degree, num_workers, block_chars
-        self.infinite, self.return_positions = infinite, return_positions
+        self.infinite, self.document_masking = infinite, document_masking
         self.global_batch_size = dp_degree * local_batch_size
         self._start: dict[str, int] = dict.fromkeys(STATE_KEYS, 0)  # where the next (finite: every) pass starts
         self._state: dict[str, int] = dict(self._start)
@@ -262,7 +262,7 @@ class PackedDataLoader:
                         f"multiple of the global batch {self.global_batch_size}; steps are counted from there")
         self._start, self._state = dict(state), dict(state)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self._batches(dict(self._state if self.infinite else self._start))
 
     def _open_blocks(self, epoch: int, doc: int) -> Iterator[_Block]:
@@ -295,7 +295,7 @@ class PackedDataLoader:
             self._pool[2].close()  # the workers see EOF on their end of this pipe and exit
             self._pool = None
 
-    def _batches(self, start: dict[str, int]) -> Iterator[tuple[torch.Tensor, ...]]:
+    def _batches(self, start: dict[str, int]) -> Iterator[dict[str, torch.Tensor]]:
         b, window = self.local_batch_size, self.seq_len + 1
         before, after = self.dp_rank * b * window, (self.dp_degree - self.dp_rank - 1) * b * window
         blocks = self._open_blocks(start["epoch"], start["next_doc"])
@@ -311,7 +311,7 @@ class PackedDataLoader:
             self._state = {"sequences_consumed": consumed, "next_doc": doc, "doc_token_offset": offset, "epoch": epoch}
             yield self._collate(got, tokens, positions)
 
-    def _collate(self, got: int, tokens: list[torch.Tensor], positions: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _collate(self, got: int, tokens: list[torch.Tensor], positions: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         b, window = self.local_batch_size, self.seq_len + 1
         pad = b * window - got
         if self.infinite and pad:
@@ -325,9 +325,21 @@ class PackedDataLoader:
             padded = (torch.arange(b * window) >= got).view(b, window)
             labels[padded[:, 1:]] = IGNORE_INDEX
             pos = torch.where(padded, padded.long().cumsum(1) - 1, pos)
-        if self.return_positions:
-            return inputs, labels, pos[:, :-1].contiguous()
-        return inputs, labels
+        batch = {"tokens": inputs, "labels": labels}
+        if self.document_masking:
+            # Rotary positions restart at every document and at the row's start (so they stay below seq_len even
+            # in a document longer than the row): row index i, or the in-document position where that is smaller.
+            batch["positions"] = torch.minimum(pos[:, :-1], torch.arange(self.seq_len))
+            batch["document_ids"] = document_ids_from_positions(batch["positions"])
+        return batch
+
+
+def document_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] index of each token's document within its row (from 1), from its position in its document
+    ([batch, seq], 0 where a document starts; the row's first token starts one in any case)."""
+    starts = positions == 0
+    starts[:, 0] = True
+    return starts.long().cumsum(dim=1)
 
 
 def _start_forkserver(source: object, tokenizer: object) -> None:
@@ -363,12 +375,14 @@ def _check_epoch_size(loader: PackedDataLoader) -> None:
 
 def build_dataloader(
     *, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-    dp_degree: int, num_workers: int = 0, infinite: bool = True, return_positions: bool = False,
+    dp_degree: int, num_workers: int = 0, infinite: bool = True, document_masking: bool = False,
     block_chars: int = DEFAULT_BLOCK_CHARS,
 ) -> PackedDataLoader:
-    """This dp rank's batches: `(input_ids, labels[, positions])`, each int64 `[local_batch_size, seq_len]`.
+    """This dp rank's batches: `{"tokens", "labels"}`, each int64 `[local_batch_size, seq_len]`.
 
-    positions: each input token's index inside its document's BOS..EOS list (0 at every BOS).
+    document_masking adds "positions" (each input token's index inside its document's BOS..EOS list, 0 at every
+    BOS, counted from the row's first token when the document began before it) and "document_ids" (the
+    document of each token within its row, starting at 1): the model's inputs for attention within documents.
     infinite=False: one pass; the last window is padded (inputs eos_id, labels -100) and the last
     step is filled with fully ignored rows, so every rank yields the same number of batches.
     Raises ValueError now (infinite mode) if one epoch holds fewer than dp_degree * local_batch_size
@@ -385,7 +399,7 @@ def build_dataloader(
             raise ValueError(message)
     loader = PackedDataLoader(
         source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-        dp_degree=dp_degree, num_workers=num_workers, infinite=infinite, return_positions=return_positions,
+        dp_degree=dp_degree, num_workers=num_workers, infinite=infinite, document_masking=document_masking,
         block_chars=block_chars,
     )  # fmt: skip
     if num_workers:

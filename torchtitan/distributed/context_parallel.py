@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from torchtitan.models.attention import document_causal_mask
+
 
 def sequence_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
     """Global positions of the tokens cp rank `cp_rank` holds, in its local order (chunk r, then 2 x cp - 1 - r).
@@ -42,17 +44,21 @@ def sequence_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device
                       torch.arange(second * chunk, (second + 1) * chunk, device=device)])
 
 
-def shard_microbatches(microbatches: list[tuple[torch.Tensor, torch.Tensor]], cp_mesh
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This cp rank's tokens and labels of each [batch, seq] micro-batch (every cp rank of a data-parallel rank
-    reads the same batch)."""
+# Batch entries cut along the sequence; `document_ids` stays whole: attention compares every local query's document
+# with those of all the keys, which come from every cp rank (every cp rank of a data-parallel rank reads the same
+# batch, so each already holds them).
+SHARDED_KEYS = ("tokens", "labels", "positions")
+
+
+def shard_microbatches(microbatches: list[dict[str, torch.Tensor]], cp_mesh) -> list[dict[str, torch.Tensor]]:
+    """This cp rank's share of each micro-batch ({tokens, labels[, positions, document_ids]}, [batch, seq] each)."""
     if cp_mesh is None:
         return microbatches
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     out = []
-    for inputs, labels in microbatches:
-        index = sequence_positions(inputs.shape[1], cp, rank)
-        out.append((inputs[:, index], labels[:, index]))
+    for batch in microbatches:
+        index = sequence_positions(batch["tokens"].shape[1], cp, rank)
+        out.append({key: value[:, index] if key in SHARDED_KEYS else value for key, value in batch.items()})
     return out
 
 
@@ -64,8 +70,10 @@ class AllGatherKVAttention(nn.Module):
         self.cp_mesh = cp_mesh
         self.cp, self.cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v: [batch, heads, local seq, head_dim] (k and v may have fewer, grouped, heads)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v: [batch, heads, local seq, head_dim] (k and v may have fewer, grouped, heads); document_ids
+        [batch, seq]: the whole sequence's (document masking), or None (causal only)."""
         import torch.distributed._functional_collectives as funcol
 
         group = self.cp_mesh.get_group()
@@ -82,19 +90,25 @@ class AllGatherKVAttention(nn.Module):
         for half, global_chunk in enumerate((self.cp_rank, 2 * self.cp - 1 - self.cp_rank)):
             q_chunk = q[:, :, half * chunk:(half + 1) * chunk]
             end = (global_chunk + 1) * chunk  # keys after this chunk are all in its future: left out
+            docs = document_ids[:, :end] if document_ids is not None else None
             # Recomputed in the backward instead of saved: the mask (and the float copy SDPA makes of it) would
             # otherwise stay alive for every layer, chunk x seq_len elements each.
-            outs.append(checkpoint(_prefix_causal_attention, q_chunk, k_seq[:, :, :end], v_seq[:, :, :end],
+            outs.append(checkpoint(_prefix_causal_attention, q_chunk, k_seq[:, :, :end], v_seq[:, :, :end], docs,
                                    use_reentrant=False))
         return torch.cat(outs, dim=2)
 
 
-def _prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             key_docs: torch.Tensor | None) -> torch.Tensor:
     """Attention of q, the last q.shape[2] positions of a prefix, over the keys of that prefix: causal aligned to
-    the bottom right (query i of the chunk sees keys up to its own position)."""
+    the bottom right (query i of the chunk sees keys up to its own position), and within each document when
+    `key_docs` (the prefix's document ids, [batch, prefix]) is given."""
     n_q, n_k = q.shape[2], k.shape[2]
-    q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
-    mask = torch.arange(n_k, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+    if key_docs is not None:
+        mask = document_causal_mask(key_docs[:, n_k - n_q:], key_docs)
+    else:
+        q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
+        mask = torch.arange(n_k, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -102,6 +116,8 @@ def _positions_hook(cp_mesh):
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def hook(module, args, kwargs):
+        if kwargs.get("positions") is not None:  # document masking's per-token positions, sharded with the tokens
+            return args, kwargs
         # tokens [batch, seq / cp], or a later pipeline stage's hidden states [batch, seq / cp, dim] (a DTensor of
         # that global shape under sequence parallel: tensor parallel's pre-hook runs first)
         local = args[0].shape[1]

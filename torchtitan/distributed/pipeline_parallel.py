@@ -360,10 +360,12 @@ class Pipeline:
             return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor
-                         ) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor,
+                         model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of one local batch through the schedule; returns this rank's sum of the scaled
-        micro-batch losses (zero on ranks without the last stage)."""
+        micro-batch losses (zero on ranks without the last stage). `model_kwargs` ([batch, ...] tensors, such as
+        document masking's positions and document ids) are cut into the same micro-batches and reach every stage,
+        so every rank passes them."""
         import torch
 
         self.loss_fn.global_tokens = global_tokens
@@ -373,12 +375,14 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
+                           **(model_kwargs or {}))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(loss.detach()).float().reshape(()) for loss in losses]).sum()
 
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn) -> torch.Tensor:
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn,
+                      model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward only (validation): the summed loss of a batch (zero on ranks without the last stage).
 
         Written out rather than a schedule's eval(): torch's multi-stage runtime fails forward-only on V
@@ -410,7 +414,7 @@ class Pipeline:
                     x = held
                 else:
                     x = _recv(dist.get_global_rank(group, rank_of[stage - 1]), group, self.device)
-                out = part_of[stage](x)
+                out = part_of[stage](x, **{k: v[start:start + mb] for k, v in (model_kwargs or {}).items()})
                 if stage == last:
                     total += local_value(loss_sum_fn(out, labels[start:start + mb])).float()
                 elif rank_of[stage + 1] == self.pp_rank:

@@ -67,8 +67,10 @@ def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> lis
 def _block_plan() -> dict:
     return {
         "attention_norm": SequenceParallel(),
-        # freqs_cis (the second input) is a plain replicated table: leave it alone.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        # freqs_cis and document_ids (the second and third inputs) are plain tensors of the whole sequence, the same
+        # on every tp rank: leave them alone.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),

@@ -23,6 +23,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
+from torchtitan.data.dataloader import document_ids_from_positions
 from torchtitan.distributed.context_parallel import shard_microbatches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan
@@ -211,6 +212,17 @@ def build_pipeline(plan: PipelinePlan | None, parts, parallel_dims: ParallelDims
     return Pipeline(plan, parts, parallel_dims.mesh("pp"), device, cfg.training.local_batch_size, cross_entropy_sum)
 
 
+def random_batch(batch_size: int, seq_len: int, vocab_size: int, document_masking: bool) -> dict[str, torch.Tensor]:
+    """A batch shaped as the dataloader's (torchtitan/data/dataloader.py): random tokens, and with document masking
+    documents of seq_len / 3 tokens (the masks cost the same memory whatever the documents)."""
+    batch = {"tokens": torch.randint(0, vocab_size, (batch_size, seq_len)),
+             "labels": torch.randint(0, vocab_size, (batch_size, seq_len))}
+    if document_masking:
+        batch["positions"] = (torch.arange(seq_len) % max(1, seq_len // 3)).expand(batch_size, seq_len).contiguous()
+        batch["document_ids"] = document_ids_from_positions(batch["positions"])
+    return batch
+
+
 def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int, loss_parallel: bool,
               set_phase, steps: int = 2, autocast=None, pipeline=None, pp_mesh=None, cp_mesh=None) -> None:
     """`steps` training steps on random tokens through the trainer's own step (forward_backward_step). Shared by
@@ -221,7 +233,7 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
             detail = f", micro-batch {micro + 1}/{grad_accum}" if micro is not None else ""
             set_phase(f"{kind} (step {step}{detail})")
 
-        microbatches = shard_microbatches([(torch.randint(0, vocab_size, (b, s)), torch.randint(0, vocab_size, (b, s)))
+        microbatches = shard_microbatches([random_batch(b, s, vocab_size, cfg.model.attn_mask_type == "block_causal")
                                            for _ in range(grad_accum)], cp_mesh)
         forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
                               loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,

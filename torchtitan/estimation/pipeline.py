@@ -63,8 +63,8 @@ class PipelineActions:
     def _sends_backward(self, stage: int) -> bool:
         return stage != 0 and stage - 1 not in self.parts
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor
-                         ) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor,
+                         model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
         self.loss_fn.global_tokens = global_tokens
@@ -83,7 +83,7 @@ class PipelineActions:
                     x = inputs[m * mb:(m + 1) * mb]
                 else:
                     x = self.input_buffers[key].detach().requires_grad_(True)
-                out = self.parts[stage](x)
+                out = self.parts[stage](x, **{k: v[m * mb:(m + 1) * mb] for k, v in (model_kwargs or {}).items()})
                 loss = None
                 if stage == self.last:
                     loss = self.loss_fn(out, labels[m * mb:(m + 1) * mb])

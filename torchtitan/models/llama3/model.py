@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.attention import document_causal_mask
 from torchtitan.models.llama3.args import RoPEScaling, TransformerModelArgs
 
 ParamInit = Callable[[torch.Tensor, Callable[[torch.Tensor], object]], None]
@@ -80,7 +81,8 @@ def precompute_freqs_cis(
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape [B, S, H, head_dim] by the table rows freqs_cis[:S].
+    """Rotate x of shape [B, S, H, head_dim] by the table rows freqs_cis[:S], or by freqs_cis itself when it holds
+    one row per token of each sequence ([B, S, head_dim // 2, 2]: positions that restart in every document).
 
     Layout: Meta's interleaved-pair convention. Channels (0, 1), (2, 3), ... of each head form the
     (real, imaginary) parts of one complex number, and pair i rotates by position * freq[i].
@@ -88,12 +90,15 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     checkpoint converter must permute the output rows of wq and wk between the two layouts.
     """
     seq_len = x.shape[1]
-    if seq_len > freqs_cis.shape[0]:
-        raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {freqs_cis.shape[0]}")
     # One complex multiply per pair: measured 6x faster than the same rotation spelled out in real parts
     # (unbind, four multiplies, stack) for forward + backward on CPU, and bit-identical to it.
     # In fp32: with bf16 activations the rotation error would grow with the angle size.
-    rotation = torch.view_as_complex(freqs_cis[:seq_len].float()).view(1, seq_len, 1, -1)
+    if freqs_cis.dim() == 4:
+        rotation = torch.view_as_complex(freqs_cis.float()).unsqueeze(2)
+    else:
+        if seq_len > freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {freqs_cis.shape[0]}")
+        rotation = torch.view_as_complex(freqs_cis[:seq_len].float()).view(1, seq_len, 1, -1)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
@@ -124,13 +129,21 @@ class RMSNorm(nn.Module):
 
 
 class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim], causal. Its own module so that context parallel
-    can replace it by attention over the whole (sharded) sequence (torchtitan/distributed/context_parallel.py)."""
+    """softmax(q k^T / sqrt(d)) v over [batch, heads, seq, head_dim], causal, and within each document when
+    `document_ids` ([batch, seq]) is given. Its own module so that context parallel can replace it by attention over
+    the whole (sharded) sequence (torchtitan/distributed/context_parallel.py)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         # Grouped-query heads go to SDPA as they are (query head h reads kv head h // (q heads / kv heads)):
         # no expanded copies of K and V in memory, and the flash kernels take the grouping natively.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if document_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # An explicit mask (flex attention has no CPU backward): SDPA keeps a float copy of it, batch x seq^2
+        # elements per layer, for the backward (docs/parallelism.md, document masking).
+        mask = document_causal_mask(document_ids, document_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -146,7 +159,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, model_args.dim, bias=False)
         self.sdpa = CausalAttention()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         # Head counts come from the tensors, not the config: under tensor parallelism each rank
         # only holds a slice of the heads, and q and kv heads are sliced in the same proportion.
@@ -155,7 +169,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q = apply_rotary_emb(q, freqs_cis)
         k = apply_rotary_emb(k, freqs_cis)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:
@@ -199,8 +213,9 @@ class TransformerBlock(nn.Module):
         depth = (layer_id + 1) if model_args.depth_init else model_args.n_layers
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, param_init: ParamInit) -> None:
@@ -292,9 +307,13 @@ class Transformer(nn.Module):
                 # std dim**-0.5 makes initial logits roughly unit variance given a unit-RMS input.
                 fill(self.output.weight, _trunc_normal(self.model_args.dim**-0.5))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`tokens` [batch, seq] (or a pipeline stage's hidden states); `positions` [seq], the tokens' positions in
-        their sequence when they are not 0 .. seq - 1 (context parallel holds two chunks of each sequence)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` [batch, seq] (or a pipeline stage's hidden states).
+        `positions`: the tokens' rotary positions when they are not 0 .. seq - 1: [seq] (context parallel holds two
+        chunks of each sequence) or [batch, seq] (document masking restarts them in every document).
+        `document_ids` [batch, seq]: attention stays within each document (packed sequences); under context
+        parallel the whole sequence's ids, since its attention reads every rank's keys."""
         # The whole rotary table goes to the blocks, which take the rows they need from the sequence length inside
         # attention: a pipeline stage's input may be a sequence-sharded activation (tensor parallel), whose
         # length is not the sequence's.
@@ -303,7 +322,7 @@ class Transformer(nn.Module):
         rope = self.freqs_cis if positions is None else self.freqs_cis[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, document_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
