@@ -48,11 +48,16 @@ _SHORT_DOCUMENTS_FILE = str(Path(__file__).parent / "data" / "short_documents.js
 SHORT_DOCUMENTS = ("--training.dataset_path", _SHORT_DOCUMENTS_FILE, "--validation.dataset_path", _SHORT_DOCUMENTS_FILE)
 _BLOCK_CAUSAL = (*SHORT_DOCUMENTS, "--model.attn_mask_type", "block_causal")
 
+# Mixture of experts: a small Qwen3 MoE (8 experts, top-2, auxiliary-loss-free balancing whose expert load is summed
+# over the data ranks after every step, so the routing biases equal one process's).
+_MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
+
 REFERENCES = {
     "single_process": Layout("single_process", 1, dp(8, 1)),
     "single_process_tied": Layout("single_process_tied", 1, (*dp(8, 1), "--model.flavor", "debugmodel_small_tied")),
     "single_process_no_clip": Layout("single_process_no_clip", 1, (*dp(8, 1), "--training.max_norm", "0")),
     "single_process_block_causal": Layout("single_process_block_causal", 1, (*dp(8, 1), *_BLOCK_CAUSAL)),
+    "single_process_moe": Layout("single_process_moe", 1, (*dp(8, 1), *_MOE)),
     "single_process_short_documents": Layout("single_process_short_documents", 1, (*dp(8, 1), *SHORT_DOCUMENTS)),
 }
 
@@ -143,4 +148,11 @@ BLOCK_CAUSAL_LAYOUTS = [
     for layout in CP_LAYOUTS
 ]
 
-ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS
+MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_process_moe") for name, nproc, overrides in (
+    ("moe_fsdp2_accum", 2, dp(2, 2)),
+    ("moe_hsdp2x2_full_ac", 4, (*dp(2, 4), *_REPLICATE, "2", "--activation_checkpoint.mode", "full")),
+    ("moe_pp2_1f1b", 2, (*dp(8, 1), *pp("1F1B"))),
+    ("moe_fsdp2_cp2", 4, (*dp(4, 2), *_CP2)),
+)]
+
+ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS + MOE_LAYOUTS

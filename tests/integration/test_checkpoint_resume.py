@@ -251,3 +251,20 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(tmp_path, tt_cache_dir):
     assert "SIGTERM received" in log
     result = run_train(2, [*LAUNCH, "--training.steps", str(saved[-1] + 1)], tmp_path, tt_cache_dir)
     assert result.returncode == 0, result.output[-4000:]
+
+
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
+
+
+def test_moe_resume_under_another_data_parallel_layout(pools, tmp_path):
+    """A mixture-of-experts run saved under FSDP 2 at step 6 resumes under HSDP 2 x 2 and continues the curve: the
+    routing biases of auxiliary-loss-free balancing (buffers, not parameters) are in the checkpoint and reshard
+    like the rest (without them the resumed curve fails this test: checked by making the buffer non-persistent)."""
+    straight_dir, resumed_dir = tmp_path / "fsdp2", tmp_path / "hsdp2x2"
+    straight = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), straight_dir)
+    _resume_from(straight_dir, 6, resumed_dir)
+    resumed = train_layout(pools, 4, (*CKPT, *MOE, *dp(2, 4), "--parallelism.data_parallel_replicate_degree", "2"),
+                           resumed_dir)
+    assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
+    problems = compare(resumed, _from_step(straight, 7))
+    assert not problems, problems[:5]

@@ -348,8 +348,18 @@ class Pipeline:
             get_schedule_class,
         )
 
+        from torchtitan.models.moe import no_token_counting
+
+        class Stage(PipelineStage):
+            def _prepare_forward_infra(self, *args, **kwargs):
+                # On the first step torch runs each stage once to infer its shapes (torch 2.13: with gradients, on
+                # the first micro-batch or on uninitialised inputs). MoE layers must not count those tokens in
+                # their expert load (torchtitan/components/moe_balance.py).
+                with no_token_counting():
+                    return super()._prepare_forward_infra(*args, **kwargs)
+
         group = self.pp_mesh.get_group()
-        stages = [PipelineStage(part, stage_id, self.plan.num_stages, self.device, group=group)
+        stages = [Stage(part, stage_id, self.plan.num_stages, self.device, group=group)
                   for stage_id, part in zip(self.stage_ids, self.parts, strict=True)]
         if self.plan.csv_path:
             schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)

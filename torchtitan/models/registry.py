@@ -10,7 +10,7 @@ from typing import Any
 import torch.nn as nn
 
 # Packages under torchtitan.models that register a spec when imported.
-_KNOWN_MODEL_PACKAGES = ("llama3",)
+_KNOWN_MODEL_PACKAGES = ("llama3", "qwen3")
 
 _REGISTRY: dict[str, ModelSpec] = {}
 
@@ -35,6 +35,8 @@ class ModelSpec:
     pipeline_unit_flops_fn: Callable[[Any, int], tuple[float, float, float]] | None = None
     """(model_args, seq_len) -> training FLOPs per token of the input modules, one block, the output modules; the
     automatic pipeline split balances these (None: each of the three weighs one block)"""
+    supports_tensor_parallel: bool = True
+    """False: parallelism.tensor_parallel_degree > 1 is refused at config time (no tensor-parallel plan yet)"""
 
 
 def register_model_spec(spec: ModelSpec) -> None:

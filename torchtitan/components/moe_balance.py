@@ -1,0 +1,39 @@
+"""Auxiliary-loss-free load balancing (DeepSeek-V3) for every MoE layer of this rank's model parts.
+
+After each optimizer step: the routing counts of the step's training forwards (all micro-batches) are summed over
+the data ranks (dp x cp: the loss mesh), so every rank sees the global load, the same as one process would; then
+each expert's bias moves by load_balance_coeff towards the mean load (up when it is below the mean, down when
+above), and the counts restart. The bias only changes which experts tokens select, not their weights
+(torchtitan/models/moe/router.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.models.moe import MoE
+
+
+def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
+    return [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_expert_biases(layers: list[MoE], data_mesh, pp_mesh=None, device: torch.device | None = None
+                         ) -> dict[str, float]:
+    """Apply one balancing update and return the step's load metric: over the MoE layers of every stage, the
+    largest ratio of an expert's token count to the mean count (1.0 is perfect balance). Called on every rank of a
+    model that has MoE layers, also on a pipeline rank whose stages hold none (it joins the reduction over pp)."""
+    if not layers:
+        return {"moe_load_max_over_mean": float(dist_utils.all_reduce(torch.zeros((), device=device), pp_mesh, "max"))}
+    counts = torch.stack([layer.tokens_per_expert for layer in layers])  # [layers, experts]
+    counts = dist_utils.all_reduce(counts, data_mesh, "sum")
+    mean = counts.mean(dim=1, keepdim=True)
+    for layer, layer_counts, layer_mean in zip(layers, counts, mean, strict=True):
+        if layer.expert_bias is not None:
+            layer.expert_bias += layer.args.load_balance_coeff * torch.sign(layer_mean - layer_counts)
+        layer.tokens_per_expert.zero_()
+    worst = (counts.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
+    return {"moe_load_max_over_mean": float(dist_utils.all_reduce(worst, pp_mesh, "max"))}

@@ -1,0 +1,111 @@
+"""The mixture-of-experts layer: router, routed experts, optional shared experts, and the load-balancing state.
+
+Token flow (one layer, x [batch, seq, dim] flattened to T tokens):
+
+    router -> for each token its top_k experts and weights
+    sort the T x top_k (token, expert) pairs by expert (a stable sort: the order, hence the sums, is deterministic)
+    experts run on their contiguous rows (grouped matmul) -> back to (token, slot) order -> weighted sum over slots
+    + shared experts (every token) -> [batch, seq, dim]
+
+Expert parallel (torchtitan/distributed/expert_parallel.py) replaces the middle step by an all-to-all dispatch
+and combine; this module stays free of torch.distributed.
+
+Load balancing without an auxiliary loss (DeepSeek-V3): `expert_bias` shifts which experts a token selects (not
+its weights); `tokens_per_expert` counts the selections of the training forwards since the last update, and after
+each optimizer step the trainer moves every bias by load_balance_coeff towards the mean load
+(torchtitan/components/moe_balance.py), with the counts summed over the data-parallel ranks first.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.experts import GroupedExperts
+from torchtitan.models.moe.router import TopKRouter
+
+_COUNT_TOKENS = contextvars.ContextVar("moe_count_tokens", default=True)
+
+
+@contextmanager
+def no_token_counting() -> Iterator[None]:
+    """Forwards inside this context (with gradients, yet not training forwards: torch's pipeline stages run one to
+    infer shapes on the first step) leave the load-balancing counts alone."""
+    token = _COUNT_TOKENS.set(False)
+    try:
+        yield
+    finally:
+        _COUNT_TOKENS.reset(token)
+
+
+class SharedExperts(nn.Module):
+    """The experts every token goes through: one SwiGLU MLP (w1, w3 [hidden, dim], w2 [dim, hidden])."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        errors = args.check()
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.args = args
+        self.router = TopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (SharedExperts(dim, args.hidden_dim * args.num_shared_experts)
+                               if args.num_shared_experts else None)
+        # fp32 whatever the training dtype: the bias moves in steps of load_balance_coeff (1e-3), below bf16's
+        # resolution near 1. Persistent: the balance reached is part of the training state.
+        self.expert_bias: torch.Tensor | None
+        if args.load_balance_coeff > 0:
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, experts = self.router(tokens, self.expert_bias)
+        flat = experts.reshape(-1)  # (token, slot) pairs, slot-minor
+        counts = torch.bincount(flat, minlength=self.args.num_experts)
+        if torch.is_grad_enabled() and _COUNT_TOKENS.get():  # training forwards only (validation: no_grad)
+            # Recomputed forwards (activation checkpointing) count again, every expert of that layer alike: the
+            # bias update looks only at which experts are above or below the mean, so it is unaffected.
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
+        order = torch.argsort(flat, stable=True)
+        routed = self.experts(tokens[order // self.args.top_k], counts)
+        # back to (token, slot) order, weighted, summed over the slots: deterministic (no scatter-add)
+        unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
+        out = (unsorted.view(-1, self.args.top_k, shape[-1]) * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(shape)
+
+    def init_weights(self, out_std: float, param_init) -> None:
+        self.router.init_weights(0.02, param_init)
+        self.experts.init_weights(0.02, out_std, param_init)
+        if self.shared_experts is not None:
+            for lin, std in ((self.shared_experts.w1, 0.02), (self.shared_experts.w2, out_std),
+                             (self.shared_experts.w3, out_std)):
+                param_init(lin.weight, lambda t, std=std: nn.init.trunc_normal_(t, mean=0.0, std=std,
+                                                                                a=-3 * std, b=3 * std))
+        with torch.no_grad():
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
