@@ -115,6 +115,15 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
     return parts, model_args, loss_parallel
 
 
+def check_estimable(cfg: JobConfig, device_type: str) -> None:
+    """Raise ValueError (one line) for what the estimator cannot trace yet."""
+    moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
+    if moe is not None and _param_dtype(cfg, device_type) != "bfloat16":
+        # torch._grouped_mm's fake (meta) kernel accepts bfloat16 only, though the CPU kernel runs float32.
+        raise ValueError(f"memory estimation of the MoE model {cfg.model.name}/{cfg.model.flavor} in float32 (a CPU "
+                         f"run, or training.mixed_precision_param) is not available yet; estimate a GPU device")
+
+
 def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",
                   steps: int = 1, n_layers: int | None = None) -> Estimate:
     """Peak memory of `rank` in a job of `world_size` processes; `device_type` is the target (cuda or cpu).
@@ -124,6 +133,7 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
+    check_estimable(cfg, device_type)
     cfg = copy.deepcopy(cfg)
     resolved = resolve(cfg, world_size)
     parallel_dims, grad_accum = resolved.parallel_dims, resolved.grad_accum_steps

@@ -22,6 +22,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x in expert order (expert e owns rows offsets[e-1]:offsets[e]) times weight[e]^T."""
+    if torch.is_autocast_enabled(x.device.type):
+        # autocast has no rule for _grouped_mm: cast as it would for a matmul (CUDA's kernel takes bfloat16 only)
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
 
 

@@ -82,7 +82,10 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts = self.router(tokens, self.expert_bias)
         flat = experts.reshape(-1)  # (token, slot) pairs, slot-minor
-        counts = torch.bincount(flat, minlength=self.args.num_experts)
+        # A fixed-shape count (bincount's output shape depends on the values, which the memory estimator's fake
+        # tensors do not have); integer adds give the same result in any order.
+        counts = torch.zeros(self.args.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         if torch.is_grad_enabled() and _COUNT_TOKENS.get():  # training forwards only (validation: no_grad)
             # Recomputed forwards (activation checkpointing) count again, every expert of that layer alike: the
             # bias update looks only at which experts are above or below the mean, so it is unaffected.
