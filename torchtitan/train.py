@@ -17,7 +17,7 @@ from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.model_parts import build_model_parts, materialize, model_args_for
-from torchtitan.components.moe_balance import moe_layers, update_expert_biases
+from torchtitan.components.moe_balance import moe_layers, set_aux_loss_scale, update_expert_biases
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.components.step_guard import StepGuard, TrainingError
@@ -130,7 +130,11 @@ class Trainer:
         self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, self.device.type)
         # Every rank of an MoE model balances (a pipeline rank whose stages hold no MoE layer still joins the load
         # metric's reduction over pp), so the decision comes from the model args, the same on every rank.
-        self.moe_layers = moe_layers(self.model_parts) if getattr(model_args, "moe", None) is not None else None
+        moe = getattr(model_args, "moe", None)
+        self.moe_layers = moe_layers(self.model_parts) if moe is not None else None
+        self.moe_has_aux = moe is not None and moe.aux_loss_coeff > 0
+        if self.moe_layers:
+            set_aux_loss_scale(self.moe_layers, cfg.training.global_batch_size)
         self.moe_metrics: dict[str, float] = {}
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.memory = device_tools.MemoryMonitor(self.device.type)
@@ -207,7 +211,8 @@ class Trainer:
             should_step=self.guard.should_step,
         )
         if self.moe_layers is not None:  # auxiliary-loss-free balancing, from this step's global expert load
-            self.moe_metrics = update_expert_biases(self.moe_layers, self.loss_mesh, self.pp_mesh, self.device)
+            self.moe_metrics = update_expert_biases(self.moe_layers, self.loss_mesh, self.pp_mesh, self.device,
+                                                    self.moe_has_aux)
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm
 

@@ -33,6 +33,15 @@ def test_document_masking_changes_training(reference):
         assert got["loss"] != ref["loss"], (got, ref)
 
 
+def test_moe_balance_loss_changes_training(reference):
+    """The balance-loss reference differs from the plain MoE one at every step by far more than the tolerance, so
+    its layouts test the loss's gradient (and its metric is reported)."""
+    plain, aux = reference("single_process_moe"), reference("single_process_moe_aux")
+    for got, ref in zip(aux["metrics"], plain["metrics"], strict=True):
+        assert abs(got["grad_norm"] - ref["grad_norm"]) > 100 * TOLERANCE["grad_norm"] * ref["grad_norm"], (got, ref)
+        assert got["moe_aux_loss"] > 0 and "moe_aux_loss" not in ref and ref["moe_load_max_over_mean"] >= 1
+
+
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)

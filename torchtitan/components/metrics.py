@@ -237,6 +237,8 @@ class MetricsLogger:
             parts.append(f"data {data:.1f}%")
         if (load := get("moe_load_max_over_mean")) is not None:
             parts.append(f"moe load {load:.2f}")  # busiest expert over the mean, worst MoE layer (1.00 = balanced)
+        if (aux := get("moe_aux_loss")) is not None:
+            parts.append(f"moe aux {aux:.4f}")
         if eta is not None and math.isfinite(eta):
             parts.append(f"eta {_fmt_eta(eta)}")
         return "  ".join(parts)

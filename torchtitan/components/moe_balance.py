@@ -21,19 +21,42 @@ def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_biases(layers: list[MoE], data_mesh, pp_mesh=None, device: torch.device | None = None
-                         ) -> dict[str, float]:
+def update_expert_biases(layers: list[MoE], data_mesh, pp_mesh=None, device: torch.device | None = None,
+                         has_aux: bool = False) -> dict[str, float]:
     """Apply one balancing update and return the step's load metric: over the MoE layers of every stage, the
-    largest ratio of an expert's token count to the mean count (1.0 is perfect balance). Called on every rank of a
-    model that has MoE layers, also on a pipeline rank whose stages hold none (it joins the reduction over pp)."""
+    largest ratio of an expert's token count to the mean count (1.0 is perfect balance), and with `has_aux` (the
+    model has a balance loss) that loss, summed over the layers. Called on every rank of a model that has MoE
+    layers, also on a pipeline rank whose stages hold none (it joins the reductions over pp)."""
     if not layers:
-        return {"moe_load_max_over_mean": float(dist_utils.all_reduce(torch.zeros((), device=device), pp_mesh, "max"))}
+        worst = dist_utils.all_reduce(torch.zeros((), device=device), pp_mesh, "max")
+        aux_total = dist_utils.all_reduce(torch.zeros((), device=device), pp_mesh, "sum")
+        return _metrics(worst, aux_total, has_aux)
     counts = torch.stack([layer.tokens_per_expert for layer in layers])  # [layers, experts]
     counts = dist_utils.all_reduce(counts, data_mesh, "sum")
+    # The balance loss per layer: its sum over the step's sequences / their number, over every data rank; summed
+    # over the layers of every stage.
+    aux = dist_utils.all_reduce(torch.stack([layer.aux_loss_sum for layer in layers]), data_mesh, "sum")
+    aux_total = dist_utils.all_reduce((aux[:, 0] / aux[:, 1].clamp_min(1.0)).sum(), pp_mesh, "sum")
+    for layer in layers:
+        layer.aux_loss_sum.zero_()
     mean = counts.mean(dim=1, keepdim=True)
     for layer, layer_counts, layer_mean in zip(layers, counts, mean, strict=True):
         if layer.expert_bias is not None:
             layer.expert_bias += layer.args.load_balance_coeff * torch.sign(layer_mean - layer_counts)
         layer.tokens_per_expert.zero_()
     worst = (counts.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
-    return {"moe_load_max_over_mean": float(dist_utils.all_reduce(worst, pp_mesh, "max"))}
+    return _metrics(dist_utils.all_reduce(worst, pp_mesh, "max"), aux_total, has_aux)
+
+
+def _metrics(worst: torch.Tensor, aux_total: torch.Tensor, has_aux: bool) -> dict[str, float]:
+    out = {"moe_load_max_over_mean": float(worst)}
+    if has_aux:
+        out["moe_aux_loss"] = float(aux_total)
+    return out
+
+
+def set_aux_loss_scale(layers: list[MoE], global_batch_size: int) -> None:
+    """Each rank adds its sequences' balance losses / the global batch's sequence count: summed over the ranks (and
+    micro-batches) by the backward, that is the mean over the global batch, the same gradient in every layout."""
+    for layer in layers:
+        layer.aux_loss_scale = 1.0 / global_batch_size

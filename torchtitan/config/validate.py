@@ -159,6 +159,13 @@ def _check_context_parallel(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     if cp == 1:
         return
+    from torchtitan.models.registry import get_model_spec  # lazy: see _check_model
+
+    moe = getattr(get_model_spec(cfg.model.name).flavors.get(cfg.model.flavor), "moe", None)
+    if moe is not None and moe.aux_loss_coeff > 0:
+        # Its per-sequence load and scores would need sums over the cp ranks' shares of each sequence.
+        _err(f"parallelism.context_parallel_degree={cp}: {cfg.model.name}/{cfg.model.flavor} has a sequence-level "
+             "MoE balance loss (aux_loss_coeff), not available with context parallel yet")
     for key, seq_len in seq_lens.items():
         if seq_len % (2 * cp):
             _err(f"{key}={seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each rank holds two "

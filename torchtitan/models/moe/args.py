@@ -28,6 +28,9 @@ class MoEArgs:
     load_balance_coeff: float = 0.0
     """auxiliary-loss-free balancing: after each optimizer step every expert's routing bias moves by this much
     towards the mean load (0 = off, no bias)"""
+    aux_loss_coeff: float = 0.0
+    """weight of the sequence-level balance loss added to the training loss (DeepSeek-V3's complementary loss:
+    per sequence, sum over experts of load fraction x mean score); 0 = off"""
     use_grouped_mm: bool = True
     """run the experts with torch._grouped_mm (one kernel for all experts) instead of a loop over experts"""
 
@@ -45,4 +48,6 @@ class MoEArgs:
         elif groups > 1 and limited * (self.num_experts // groups) < self.top_k:
             errors.append(f"moe: num_limited_groups={limited} groups of {self.num_experts // groups} experts hold "
                           f"fewer than top_k={self.top_k}")
+        if self.aux_loss_coeff < 0 or self.load_balance_coeff < 0:
+            errors.append("moe: aux_loss_coeff and load_balance_coeff must be >= 0")
         return errors

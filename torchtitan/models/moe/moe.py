@@ -43,6 +43,34 @@ def no_token_counting() -> Iterator[None]:
         _COUNT_TOKENS.reset(token)
 
 
+class _AddAuxLossGradient(torch.autograd.Function):
+    """Returns `out` unchanged; its backward also sends gradient 1 into `aux_loss` (a scalar that already carries
+    its coefficient and normalisation). The balance loss thus joins the training loss without travelling through
+    the model's outputs, the pipeline schedule or the loss function."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux_loss)
+
+
+def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
+    """Per sequence [batch]: sum over experts of f_i x P_i, with f_i the sequence's fraction of routed (token, slot)
+    pairs on expert i times num_experts (1 when balanced) and P_i the mean of its normalised scores. Only P carries
+    gradient (the selection is discrete)."""
+    num_experts = scores.shape[-1]
+    probs = (scores / scores.sum(dim=-1, keepdim=True)).view(batch, -1, num_experts)
+    with torch.no_grad():
+        picked = torch.zeros_like(scores).scatter_(1, experts, 1.0).view(batch, -1, num_experts)
+        load = picked.sum(dim=1) * num_experts / (top_k * picked.shape[1])
+    return (load * probs.mean(dim=1)).sum(dim=-1)
+
+
 class SharedExperts(nn.Module):
     """The experts every token goes through: one SwiGLU MLP (w1, w3 [hidden, dim], w2 [dim, hidden])."""
 
@@ -76,21 +104,33 @@ class MoE(nn.Module):
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
                              persistent=False)
+        # The balance loss of the counted forwards since the last report (sum over sequences, and how many), for the
+        # metrics only (torchtitan/components/moe_balance.py).
+        self.register_buffer("aux_loss_sum", torch.zeros(2, dtype=torch.float32), persistent=False)
+        self.aux_loss_scale = 1.0
+        """1 / sequences in the global batch: the trainer sets it (moe_balance.set_aux_loss_scale) so that the balance
+        loss is a mean over the global batch's sequences, whatever the layout"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts = self.router(tokens, self.expert_bias)
+        weights, experts, scores = self.router(tokens, self.expert_bias)
         flat = experts.reshape(-1)  # (token, slot) pairs, slot-minor
         # A fixed-shape count (bincount's output shape depends on the values, which the memory estimator's fake
         # tensors do not have); integer adds give the same result in any order.
         counts = torch.zeros(self.args.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
+        aux = None
+        if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = self.args.aux_loss_coeff * sequence_balance_loss(scores, experts, shape[0], self.args.top_k)
         if torch.is_grad_enabled() and _COUNT_TOKENS.get():  # training forwards only (validation: no_grad)
             # Recomputed forwards (activation checkpointing) count again, every expert of that layer alike: the
-            # bias update looks only at which experts are above or below the mean, so it is unaffected.
+            # bias update looks only at which experts are above or below the mean, so it is unaffected (and the
+            # reported balance loss is a ratio of two sums that both double).
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
+                if aux is not None:
+                    self.aux_loss_sum += torch.stack([aux.detach().sum(), aux.new_tensor(float(shape[0]))])
         order = torch.argsort(flat, stable=True)
         routed = self.experts(tokens[order // self.args.top_k], counts)
         # back to (token, slot) order, weighted, summed over the slots: deterministic (no scatter-add)
@@ -98,6 +138,8 @@ class MoE(nn.Module):
         out = (unsorted.view(-1, self.args.top_k, shape[-1]) * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
+        if aux is not None:
+            out = _AddAuxLossGradient.apply(out, aux.sum() * self.aux_loss_scale)
         return out.view(shape)
 
     def init_weights(self, out_std: float, param_init) -> None:
@@ -112,3 +154,4 @@ class MoE(nn.Module):
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
+            self.aux_loss_sum.zero_()

@@ -23,10 +23,12 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, dim] -> (weights [tokens, top_k], expert indices [tokens, top_k]); scores in fp32."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (weights [tokens, top_k], expert indices [tokens, top_k], scores [tokens, experts]);
+        weights and scores in fp32 (or fp64 for an fp64 model)."""
         a = self.args
-        logits = self.gate(x).float()
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # scores at least in fp32
         scores = torch.sigmoid(logits) if a.score_func == "sigmoid" else F.softmax(logits, dim=-1)
         choice = scores if expert_bias is None else scores + expert_bias
         if a.num_expert_groups > 1:
@@ -39,7 +41,7 @@ class TopKRouter(nn.Module):
         weights = scores.gather(1, experts)
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * a.route_scale, experts
+        return weights * a.route_scale, experts, scores
 
     def init_weights(self, std: float, param_init) -> None:
         param_init(self.gate.weight, lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std))

@@ -123,3 +123,10 @@ qwen3_flavors["debugmodel_moe_small"] = replace(
     qwen3_flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=512, ffn_hidden_dim=128,
     moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=64, route_norm=True, load_balance_coeff=1e-3),
 )
+# ... and with the sequence-level balance loss (DeepSeek-V3's complementary loss) on top of the routing bias. Its
+# coefficient is far above a real run's (DeepSeek-V3: 1e-4) so that the parity suite sees its gradient: at 0.01 it
+# moved the step-1 gradient norm by only 2e-6 relative.
+qwen3_flavors["debugmodel_moe_small_aux"] = replace(
+    qwen3_flavors["debugmodel_moe_small"],
+    moe=replace(qwen3_flavors["debugmodel_moe_small"].moe, aux_loss_coeff=1.0),
+)
