@@ -136,6 +136,7 @@ class Trainer:
         if self.moe_layers:
             set_aux_loss_scale(self.moe_layers, cfg.training.global_batch_size)
         self.moe_metrics: dict[str, float] = {}
+        self.moe_counts: dict[str, torch.Tensor] = {}  # tokens per expert of each local MoE layer, last step
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.memory = device_tools.MemoryMonitor(self.device.type)
         self.peak_flops = device_tools.mfu_peak_flops(self.device.type, param_dtype, tf32=self.tf32)
@@ -211,8 +212,8 @@ class Trainer:
             should_step=self.guard.should_step,
         )
         if self.moe_layers is not None:  # auxiliary-loss-free balancing, from this step's global expert load
-            self.moe_metrics = update_expert_biases(self.moe_layers, self.loss_mesh, self.pp_mesh, self.device,
-                                                    self.moe_has_aux)
+            self.moe_metrics, self.moe_counts = update_expert_biases(self.moe_layers, self.loss_mesh, self.pp_mesh,
+                                                                     self.device, self.moe_has_aux)
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm
 
@@ -307,6 +308,9 @@ class Trainer:
             **self.moe_metrics,
             **validation,
         })
+        # TensorBoard only: tokens per expert of each MoE layer on this rank (rank 0 writes: under pipeline
+        # parallel, the first stage's layers).
+        self.metrics.log_histograms(step, {f"moe_tokens_per_expert/{name}": c for name, c in self.moe_counts.items()})
 
     def close(self) -> None:
         self.checkpointer.close()  # waits for an async save to complete (its marker is written last)

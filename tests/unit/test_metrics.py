@@ -263,6 +263,24 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 4.0), (2, 3.0)]
 
 
+def test_tensorboard_histograms_and_moe_console_fields(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Tokens per expert go to TensorBoard as histograms; the MoE load and balance loss reach the console line."""
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ml = _make(tmp_path, enable_tensorboard=True, save_tb_folder="tb")
+    with caplog.at_level("INFO"):
+        ml.log(1, {"loss": 4.0, "moe_load_max_over_mean": 1.53, "moe_aux_loss": 0.0123, "moe_load/layers.0.moe": 1.5})
+    ml.log_histograms(1, {"moe_tokens_per_expert/layers.0.moe": torch.tensor([3.0, 0.0, 5.0, 8.0])})
+    ml.close()
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert "moe_tokens_per_expert/layers.0.moe" in acc.Tags()["histograms"]
+    assert "moe_load/layers.0.moe" in acc.Tags()["scalars"]
+    [line] = _step_lines(caplog)
+    assert "moe load 1.53" in line and "moe aux 0.0123" in line, line
+
+
 def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

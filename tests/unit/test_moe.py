@@ -138,11 +138,13 @@ def test_training_forwards_count_tokens_and_balancing_moves_the_bias():
     layer(x)
     counts = layer.tokens_per_expert.clone()
     assert counts.sum() == 2 * 3 * 7 * 2
-    metrics = update_expert_biases(moe_layers([layer]), data_mesh=None)
+    metrics, per_layer = update_expert_biases(moe_layers([layer]), data_mesh=None)
     expected = 0.01 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(layer.expert_bias, expected.to(layer.expert_bias.dtype))
     assert layer.tokens_per_expert.sum() == 0
     assert metrics["moe_load_max_over_mean"] == pytest.approx(float(counts.max() / counts.mean()))
+    # a layer that is the model itself has the empty name
+    assert metrics["moe_load/"] == metrics["moe_load_max_over_mean"] and torch.equal(per_layer[""], counts)
 
 
 def test_expert_bias_is_checkpointed_and_counts_are_not():
@@ -187,7 +189,7 @@ def test_balance_loss_reaches_the_gradients_scaled_by_the_global_batch():
     with torch.no_grad():
         layer.tokens_per_expert.zero_()
         layer.aux_loss_sum.zero_()
-    set_aux_loss_scale([layer], global_batch_size=8)
+    set_aux_loss_scale({"moe": layer}, global_batch_size=8)
     x = torch.randn(3, 5, DIM, dtype=torch.float64)
     weight = torch.linspace(-1, 1, x.numel(), dtype=torch.float64).view_as(x)
     (layer(x) * weight).sum().backward()
@@ -205,7 +207,7 @@ def test_balance_loss_reaches_the_gradients_scaled_by_the_global_batch():
     assert layer.router.gate.weight.grad.abs().sum() > 0
     torch.testing.assert_close(reported, torch.stack([aux.detach().sum(), torch.tensor(3.0, dtype=torch.float64)]).to(
         reported.dtype))
-    metrics = update_expert_biases([layer], data_mesh=None, has_aux=True)
+    metrics, _ = update_expert_biases({"moe": layer}, data_mesh=None, has_aux=True)
     # two counted forwards with the same value: their mean is the value
     assert metrics["moe_aux_loss"] == pytest.approx(float(aux.detach().sum() / 3), rel=1e-6)
 

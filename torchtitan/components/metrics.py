@@ -165,6 +165,13 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ logging
 
+    def log_histograms(self, step: int, histograms: dict[str, Any]) -> None:
+        """TensorBoard histograms (1-D tensors, e.g. tokens per expert); other backends skip them."""
+        if self._tb is None or not self._writes_files:
+            return
+        for key, values in histograms.items():
+            self._tb.add_histogram(key, values, step)
+
     def log(self, step: int, metrics: dict[str, float | int | None]) -> None:
         """Record one step's metrics in every enabled backend and print one console line."""
         if not self._writes_files:
