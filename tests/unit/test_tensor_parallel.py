@@ -28,6 +28,7 @@ from torchtitan.distributed.tensor_parallel import (
 )
 from torchtitan.distributed.utils import clip_grad_norm_, param_init
 from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.llama3.parallelize import tp_block_plan
 
 SEQ = 32
 
@@ -62,7 +63,7 @@ def _tp_rank(rank: int, flavor: str, loss_parallel: bool, ac: str, compiled: boo
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     with torch.device("meta"):
         model = Transformer(_args(flavor))
-    apply_tp(model, mesh, loss_parallel=loss_parallel)
+    apply_tp(model, mesh, loss_parallel=loss_parallel, block_plan=tp_block_plan())
     apply_ac(model, "selective" if ac == "op" else ac, "op")
     if compiled:
         apply_compile(model, "inductor")

@@ -1,6 +1,7 @@
 """Tensor parallel (Megatron-style) with sequence parallel and loss parallel, keyed by module names.
 
-Layout over the 1-D `tp` mesh, per transformer block:
+Layout over the 1-D `tp` mesh, per transformer block (the plan is the model's: Llama's in
+torchtitan/models/llama3/parallelize.py):
 - `attention_norm`, `ffn_norm`: sequence parallel. Between blocks the residual stream is sharded on the
   sequence dimension (Shard(1)), so norms and residual adds run on S/tp tokens and activations take 1/tp of
   the memory.
@@ -27,7 +28,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -64,27 +64,11 @@ def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> lis
     return errors
 
 
-def _block_plan() -> dict:
-    return {
-        "attention_norm": SequenceParallel(),
-        # freqs_cis and document_ids (the second and third inputs) are plain tensors of the whole sequence, the same
-        # on every tp rank: leave them alone.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-
-
-def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool) -> nn.Module:
-    """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` in place, following the plan above."""
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, block_plan: dict) -> nn.Module:
+    """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` in place, following the layout above: the
+    modules every family names alike (tok_embeddings, norm, output) here, each block by `block_plan` (module name
+    within the block -> ParallelStyle), which the model's own parallelize function supplies
+    (torchtitan/models/llama3/parallelize.py)."""
     tied = _is_tied(model)
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -111,7 +95,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool) -> nn.Module:
         # DTensor serves both; parallelize_module replaced it twice, so restore the single shared parameter.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan())
+        parallelize_module(block, tp_mesh, block_plan)
     # The sequence-sharded embedding output is a view of a DTensor's local tensor, and FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. The blocks only use out-of-place residual adds
     # (`h = x + ...`), so the warning describes nothing that can happen here.

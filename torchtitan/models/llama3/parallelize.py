@@ -6,6 +6,13 @@ cuts the stages before this runs (torchtitan/components/model_parts.py).
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -23,7 +30,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     p = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh("tp")
-        apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled(p.disable_loss_parallel))
+        apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled(p.disable_loss_parallel),
+                 block_plan=tp_block_plan())
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if parallel_dims.cp > 1:
@@ -44,3 +52,25 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         return apply_ddp(model, parallel_dims.mesh("dp_replicate"),
                          reduce_dtype=job_config.training.mixed_precision_reduce)
     return model
+
+
+def tp_block_plan() -> dict:
+    """Tensor parallel inside a block (torchtitan/distributed/tensor_parallel.py describes the layout): norms
+    sequence parallel, attention and MLP inputs gathered on the sequence, q/k/v and w1/w3 column-wise, wo and w2
+    row-wise with a reduce-scatter back to the sequence-sharded residual stream."""
+    return {
+        "attention_norm": SequenceParallel(),
+        # freqs_cis and document_ids (the second and third inputs) are plain tensors of the whole sequence, the same
+        # on every tp rank: leave them alone.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(),
+    }
