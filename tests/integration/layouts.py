@@ -50,6 +50,7 @@ _BLOCK_CAUSAL = (*SHORT_DOCUMENTS, "--model.attn_mask_type", "block_causal")
 
 # Mixture of experts: a small Qwen3 MoE (8 experts, top-2, auxiliary-loss-free balancing whose expert load is summed
 # over the data ranks after every step, so the routing biases equal one process's).
+_QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_small")
 _MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
 # ... with the sequence-level balance loss too, whose gradient is a mean over the global batch's sequences.
 _MOE_AUX = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux")
@@ -59,6 +60,7 @@ REFERENCES = {
     "single_process_tied": Layout("single_process_tied", 1, (*dp(8, 1), "--model.flavor", "debugmodel_small_tied")),
     "single_process_no_clip": Layout("single_process_no_clip", 1, (*dp(8, 1), "--training.max_norm", "0")),
     "single_process_block_causal": Layout("single_process_block_causal", 1, (*dp(8, 1), *_BLOCK_CAUSAL)),
+    "single_process_qwen3": Layout("single_process_qwen3", 1, (*dp(8, 1), *_QWEN3)),
     "single_process_moe": Layout("single_process_moe", 1, (*dp(8, 1), *_MOE)),
     "single_process_moe_aux": Layout("single_process_moe_aux", 1, (*dp(8, 1), *_MOE_AUX)),
     "single_process_short_documents": Layout("single_process_short_documents", 1, (*dp(8, 1), *SHORT_DOCUMENTS)),
@@ -151,6 +153,14 @@ BLOCK_CAUSAL_LAYOUTS = [
     for layout in CP_LAYOUTS
 ]
 
+# Dense Qwen3 under tensor parallel: its per-head q/k norms run sharded on the heads, their weight gradients summed
+# over tp (without that the layouts fail).
+QWEN3_LAYOUTS = [Layout(name, nproc, (*overrides, *_QWEN3), reference="single_process_qwen3")
+                 for name, nproc, overrides in (
+    ("qwen3_tp2_accum", 2, (*dp(4, 1), *_TP2)),
+    ("qwen3_fsdp2_tp2", 4, (*dp(4, 2), *_TP2)),
+)]
+
 MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_process_moe") for name, nproc, overrides in (
     ("moe_fsdp2_accum", 2, dp(2, 2)),
     ("moe_hsdp2x2_full_ac", 4, (*dp(2, 4), *_REPLICATE, "2", "--activation_checkpoint.mode", "full")),
@@ -162,4 +172,4 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     ("moe_aux_pp2_interleaved", 2, (*dp(8, 1), *pp("Interleaved1F1B"))),
 )]
 
-ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS + MOE_LAYOUTS
+ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS + QWEN3_LAYOUTS + MOE_LAYOUTS

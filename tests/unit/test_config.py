@@ -588,10 +588,8 @@ INVALID_VALUES = [
     (["--profiling.save_traces_folder", ""], "profiling.save_traces_folder"),
     (["--profiling.save_traces_folder", "/tmp/traces"], "profiling.save_traces_folder"),
     (["--profiling.save_traces_folder", "../traces"], "profiling.save_traces_folder"),
-    (["--model.name", "qwen3", "--checkpoint.last_save_in_hf"], "checkpoint.last_save_in_hf"),
-    (["--model.name", "qwen3", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", "x"],
-     "checkpoint.initial_load_in_hf"),
-    (["--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2"],
+     "parallelism.tensor_parallel_degree"),
 ]
 
 NOT_AVAILABLE = [

@@ -198,6 +198,9 @@ def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     if not spec.supports_tensor_parallel:
         _err(f"parallelism.tensor_parallel_degree={tp}: model {cfg.model.name} has no tensor-parallel plan yet")
     model_args = spec.flavors[cfg.model.flavor]
+    if getattr(model_args, "moe", None) is not None:
+        _err(f"parallelism.tensor_parallel_degree={tp}: {cfg.model.name}/{cfg.model.flavor} has MoE blocks, which "
+             "have no tensor-parallel plan yet")
     errors = tp_divisibility_errors(model_args, tp, seq_lens)
     if errors:
         _err(f"parallelism.tensor_parallel_degree={tp} with model {cfg.model.name}/{cfg.model.flavor}: {errors[0]}")

@@ -24,14 +24,15 @@ from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                      param_dtype: str, *, ddp: bool = True) -> nn.Module:
+                      param_dtype: str, *, ddp: bool = True, tp_plan: dict | None = None) -> nn.Module:
     """`model` is the whole model or one pipeline stage of it (modules outside the stage are None / absent).
-    `ddp=False` leaves DDP out (the memory estimator accounts for its buckets itself)."""
+    `ddp=False` leaves DDP out (the memory estimator accounts for its buckets itself). `tp_plan`: the block plan
+    of a family that shares this order but not Llama's block (default `tp_block_plan()`)."""
     p = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh("tp")
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled(p.disable_loss_parallel),
-                 block_plan=tp_block_plan())
+                 block_plan=tp_plan if tp_plan is not None else tp_block_plan())
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if parallel_dims.cp > 1:

@@ -130,3 +130,7 @@ qwen3_flavors["debugmodel_moe_small_aux"] = replace(
     qwen3_flavors["debugmodel_moe_small"],
     moe=replace(qwen3_flavors["debugmodel_moe_small"].moe, aux_loss_coeff=1.0),
 )
+# The parity suite's dense Qwen3 (tensor parallel and the other layouts, tests/integration/layouts.py).
+qwen3_flavors["debugmodel_small"] = replace(
+    qwen3_flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=512, ffn_hidden_dim=128,
+)
