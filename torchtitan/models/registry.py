@@ -10,7 +10,7 @@ from typing import Any
 import torch.nn as nn
 
 # Packages under torchtitan.models that register a spec when imported.
-_KNOWN_MODEL_PACKAGES = ("llama3", "qwen3")
+_KNOWN_MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3")
 
 _REGISTRY: dict[str, ModelSpec] = {}
 

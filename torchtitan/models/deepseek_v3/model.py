@@ -1,0 +1,335 @@
+"""DeepSeek-V3 decoder (multi-head latent attention, dense then mixture-of-experts blocks) as a plain nn.Module.
+
+The top-level names follow the Llama 3 model (torchtitan/models/llama3/model.py) so that pipeline splitting, context
+parallel, activation checkpointing, compile and FSDP, which all work by submodule name, apply unchanged:
+`tok_embeddings`, `layers` ("0", "1", ...), `norm`, `output`; per block `attention_norm`, `attention` (whose `sdpa`
+is the replaceable attention core), `ffn_norm`, then `feed_forward.{w1,w2,w3}` (the first n_dense_layers blocks) or
+`moe` (torchtitan.models.moe.MoE: `router.gate`, `experts.{w1,w2,w3}`, `shared_experts.{w1,w2,w3}`, `expert_bias`).
+
+Multi-head latent attention (`attention`):
+    q  = wq(x)  or  wq_b(q_norm(wq_a(x)))                          [heads x (qk_nope + qk_rope)]
+    wkv_a(x) = (latent [kv_lora_rank], k_pe [qk_rope])             k_pe: one rotary key shared by every head
+    wkv_b(kv_norm(latent)) = per head (k_nope [qk_nope], v [v_head_dim])
+    k = (k_nope, rotate(k_pe)), q = (q_nope, rotate(q_pe)); softmax(q k^T * softmax_scale) v -> wo
+Rotary positions pair channels (2i, 2i + 1) of the rope part (Llama's interleaved layout): transformers'
+DeepseekV3Attention with rope_interleave=true (its default and the published checkpoints') rotates the same pairs
+and only stores the result de-interleaved, which q.k does not see; so conversion is pure renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
+from torchtitan.models.llama3.model import CausalAttention, FeedForward, ParamInit, RMSNorm, apply_rotary_emb
+from torchtitan.models.moe import MoE
+from torchtitan.models.qwen3.model import get_active_nparams
+
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of q_norm and kv_norm: fixed in the reference and in transformers, whatever rms_norm_eps is."""
+
+
+def _default_param_init(param: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> None:
+    fill(param)
+
+
+def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
+    # Cut at +-3 std so that no single weight starts as an outlier (the Llama model's rule).
+    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary table (plain or YaRN), in the (cos, sin) format of llama3's apply_rotary_emb
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(args: DeepSeekV3ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies [qk_rope_head_dim // 2] in fp32, computed as transformers does (fp32 powers,
+    the same operation order) so that the tables agree to the last bit."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    s = args.rope_scaling
+    if s is None:
+        return 1.0 / pos_freqs
+
+    # YaRN: pair i makes original_max / (2 pi / freq_i) rotations over the original context. Pairs with more than
+    # beta_fast rotations keep their frequency, pairs with fewer than beta_slow are slowed by `factor`, and a linear
+    # ramp over the pair index (its ends rounded outwards, as transformers' default truncate=True) blends between.
+    def pair_index(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_index(s.beta_fast)), 0)
+    high = min(math.ceil(pair_index(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # weight of the unscaled frequency
+    return (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_factor(args: DeepSeekV3ModelArgs) -> float:
+    """The factor transformers multiplies cos and sin by (YaRN's attention_factor; 1 without scaling)."""
+    s = args.rope_scaling
+    if s is None:
+        return 1.0
+    if s.mscale and s.mscale_all_dim:
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
+
+
+def precompute_rope_table(args: DeepSeekV3ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """[max_seq_len, qk_rope_head_dim // 2, 2] table of (cos, sin) of each position's angles, times YaRN's
+    attention factor (a scaled rotation: q_pe and k_pe each grow by it, as in transformers)."""
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, rope_frequencies(args, device))
+    table = torch.stack((torch.cos(angles), torch.sin(angles)), dim=-1)
+    factor = rope_attention_factor(args)
+    return table if factor == 1.0 else table * factor
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+
+class MLAttention(nn.Module):
+    """Causal multi-head latent attention with rotary positions on a part of each head; no biases."""
+
+    def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
+        super().__init__()
+        a = model_args
+        self.qk_nope_head_dim, self.qk_rope_head_dim = a.qk_nope_head_dim, a.qk_rope_head_dim
+        self.qk_head_dim, self.v_head_dim, self.kv_lora_rank = a.qk_head_dim, a.v_head_dim, a.kv_lora_rank
+        # Registration order = init order = parameters() order (the init contract).
+        self.wq: nn.Linear | None = None
+        self.wq_a: nn.Linear | None = None
+        self.q_norm: RMSNorm | None = None
+        self.wq_b: nn.Linear | None = None
+        if a.q_lora_rank > 0:
+            self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(a.q_lora_rank, a.n_heads * a.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(a.dim, a.n_heads * a.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(a.dim, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
+        self.sdpa = CausalAttention()
+        # SDPA scales by 1 / sqrt(q's width); YaRN's extra mscale^2 (args.softmax_scale) goes onto q, which leaves
+        # the attention core (and whatever context parallel puts in its place) free of any scale argument.
+        s = a.rope_scaling
+        self.q_scale = yarn_mscale(s.factor, s.mscale_all_dim) ** 2 if s is not None and s.mscale_all_dim else 1.0
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        # Head counts come from the tensors, not the config (as in the Llama model).
+        q_nope, q_pe = q.view(bsz, seq_len, -1, self.qk_head_dim).split([self.qk_nope_head_dim,
+                                                                          self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq_len, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        # contiguous(): the rotation views channel pairs as complex numbers, which needs an even storage offset.
+        q_pe = apply_rotary_emb(q_pe.contiguous(), freqs_cis)
+        k_pe = apply_rotary_emb(k_pe.contiguous().unsqueeze(2), freqs_cis)  # [B, S, 1, rope]: shared by the heads
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        # v is narrower or wider than q and k: SDPA takes a different value width as it is.
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def init_weights(self, out_std: float, param_init: ParamInit) -> None:
+        if self.wq is not None:
+            param_init(self.wq.weight, _trunc_normal(0.02))
+        else:
+            param_init(self.wq_a.weight, _trunc_normal(0.02))
+            self.q_norm.init_weights(param_init)
+            param_init(self.wq_b.weight, _trunc_normal(0.02))
+        param_init(self.wkv_a.weight, _trunc_normal(0.02))
+        self.kv_norm.init_weights(param_init)
+        param_init(self.wkv_b.weight, _trunc_normal(0.02))
+        param_init(self.wo.weight, _trunc_normal(out_std))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: MLA, then the dense SwiGLU MLP (`feed_forward`, the first n_dense_layers blocks) or
+    a mixture of experts (`moe`); exactly one of the two exists."""
+
+    def __init__(self, layer_id: int, model_args: DeepSeekV3ModelArgs) -> None:
+        super().__init__()
+        # Kept on the block (not derived from its key in `layers`) so a pipeline stage holding only some of the
+        # layers still initialises each one as the full model would.
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.attention = MLAttention(model_args)
+        self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.moe_enabled = model_args.is_moe_layer(layer_id)
+        self.feed_forward: FeedForward | None = None
+        self.moe: MoE | None = None
+        if self.moe_enabled:
+            self.moe = MoE(model_args.dim, model_args.moe)
+        else:
+            self.feed_forward = FeedForward(model_args.dim, model_args.ffn_hidden_dim)
+        # Residual-branch outputs add up over the depth; shrinking their init keeps the residual stream's variance
+        # from growing with the number of layers.
+        depth = (layer_id + 1) if model_args.depth_init else model_args.n_layers
+        self.weight_init_std = 0.02 / math.sqrt(2 * depth)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids)
+        mlp = self.moe if self.moe is not None else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+    def init_weights(self, param_init: ParamInit) -> None:
+        self.attention_norm.init_weights(param_init)
+        self.attention.init_weights(self.weight_init_std, param_init)
+        self.ffn_norm.init_weights(param_init)
+        if self.moe is not None:
+            self.moe.init_weights(self.weight_init_std, param_init)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std, param_init)
+
+
+class DeepSeekV3Transformer(nn.Module):
+    """DeepSeek-V3 decoder: tokens [B, S] -> logits [B, S, vocab].
+
+    Pipeline stages are cut as for the Llama model: set `tok_embeddings`, `norm` or `output` to None and delete
+    entries of `layers`; a stage without embeddings takes hidden states [B, S, dim] and one without output returns
+    hidden states.
+    """
+
+    def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
+        super().__init__()
+        self.model_args = model_args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        if model_args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: a pure function of the config. On the meta device it has no values; init_weights fills it.
+        self.register_buffer("freqs_cis", precompute_rope_table(model_args, None), persistent=False)
+
+    def _default_buffer_device(self) -> torch.device:
+        if self.tok_embeddings is not None:
+            return self.tok_embeddings.weight.device
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _restore_tie(self) -> None:
+        # Module.to_empty() materialises each module's parameters separately, which silently turns a shared weight
+        # into two (unless swap_module_params_on_conversion is enabled).
+        emb, out = self.tok_embeddings, self.output
+        if self.model_args.tie_word_embeddings and emb is not None and out is not None and out.weight is not emb.weight:
+            out.weight = emb.weight
+
+    def init_weights(self, buffer_device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
+        """Fill every parameter exactly once, in registration order, rebuild `freqs_cis` and zero the MoE balancing
+        buffers.
+
+        Order: tok_embeddings, then each block (attention_norm, wq or wq_a, q_norm, wq_b, then wkv_a, kv_norm, wkv_b,
+        wo, ffn_norm, then w1, w2, w3 or router.gate, experts.w1, w2, w3, shared_experts.w1, w2, w3), then norm, then
+        output (skipped when tied): the order of `self.parameters()`, so a seeded, order-dependent param_init is
+        reproducible.
+        """
+        fill = param_init if param_init is not None else _default_param_init
+        device = buffer_device if buffer_device is not None else self._default_buffer_device()
+        dim = self.model_args.dim
+        with torch.no_grad():
+            self.freqs_cis = precompute_rope_table(self.model_args, device)
+            self._restore_tie()
+            tied = (self.output is not None and self.tok_embeddings is not None
+                    and self.output.weight is self.tok_embeddings.weight)
+            if self.tok_embeddings is not None:
+                # As in the Llama model: std 1.0 untied (the embedding feeds an RMSNorm straight away); tied, the
+                # matrix is also the output projection, where std 1.0 would give initial logits of std ~sqrt(dim).
+                if tied:
+                    fill(self.tok_embeddings.weight, _trunc_normal(dim**-0.5))
+                else:
+                    fill(self.tok_embeddings.weight, lambda t: nn.init.normal_(t, mean=0.0, std=1.0))
+            for layer in self.layers.values():
+                layer.init_weights(fill)
+            if self.norm is not None:
+                self.norm.init_weights(fill)
+            if self.output is not None and not tied:
+                # std dim**-0.5 makes initial logits roughly unit variance given a unit-RMS input.
+                fill(self.output.weight, _trunc_normal(dim**-0.5))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` [batch, seq] (or a pipeline stage's hidden states).
+        `positions`: the tokens' rotary positions when they are not 0 .. seq - 1: [seq] (context parallel) or
+        [batch, seq] (document masking restarts them in every document).
+        `document_ids` [batch, seq]: attention stays within each document; under context parallel the whole
+        sequence's ids."""
+        # The whole table goes to the blocks, which take the rows they need from the sequence length inside
+        # attention (a pipeline stage's input may be sharded on the sequence).
+        if tokens.dim() == 2 and tokens.shape[1] > self.freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        rope = self.freqs_cis if positions is None else self.freqs_cis[positions]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, rope, document_ids)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter and FLOP counts
+# ---------------------------------------------------------------------------------------------
+
+
+def get_nparams_and_flops(model: nn.Module, model_args: DeepSeekV3ModelArgs, seq_len: int) -> tuple[int, int]:
+    """(unique parameter count, training FLOPs per token). Works on meta and wrapped models.
+
+    FLOPs: 6 per matmul weight a token goes through (2 forward, 4 backward), i.e. over the ACTIVE parameters
+    (qwen3's `get_active_nparams`: routed experts count top_k / num_experts of their size) except the embedding
+    lookup, plus the output projection even when tied, plus attention's products per head: QK^T over qk_head_dim
+    and AV over v_head_dim channels, 2 FLOPs x 3 (forward + backward) x seq_len each, with no causal discount (the
+    Llama model's convention: 12 x head_dim x seq_len when both widths are head_dim).
+    """
+    nparams = sum(p.numel() for p in model.parameters())  # a DTensor reports its global size
+    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    embedding_ids = {id(w) for w in embeddings}
+    n_embedding = sum(w.numel() for w in embeddings)
+    n_tied_output = sum(m.weight.numel() for m in model.modules()
+                        if isinstance(m, nn.Linear) and id(m.weight) in embedding_ids)
+    matmul_params = get_active_nparams(model) - n_embedding + n_tied_output
+    return nparams, 6 * matmul_params + model_args.n_layers * _attention_flops(model_args, seq_len)
+
+
+def _attention_flops(a: DeepSeekV3ModelArgs, seq_len: int) -> int:
+    return 6 * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
+
+
+def _block_active_matmul_params(a: DeepSeekV3ModelArgs, layer_id: int) -> int:
+    qk = a.n_heads * a.qk_head_dim
+    q = a.dim * qk if a.q_lora_rank == 0 else a.dim * a.q_lora_rank + a.q_lora_rank * qk
+    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim
+                                                                                       + a.v_head_dim)
+    attention = q + kv + a.n_heads * a.v_head_dim * a.dim
+    if not a.is_moe_layer(layer_id):
+        return attention + 3 * a.dim * a.ffn_hidden_dim
+    moe = a.moe
+    expert = 3 * a.dim * moe.hidden_dim
+    return attention + a.dim * moe.num_experts + expert * (moe.top_k + moe.num_shared_experts)
+
+
+def get_pipeline_unit_flops(model_args: DeepSeekV3ModelArgs, seq_len: int) -> tuple[float, float, float]:
+    """Training FLOPs per token of (the embedding, one block, the final norm + output), counted as in
+    `get_nparams_and_flops`; the automatic pipeline split balances stages by these. The block is the average over
+    all blocks (dense and MoE blocks differ); norms are left out next to the matmuls."""
+    a = model_args
+    per_block = [_block_active_matmul_params(a, i) for i in range(a.n_layers)]
+    block = 6 * sum(per_block) / max(len(per_block), 1) + _attention_flops(a, seq_len)
+    return 0.0, float(block), float(6 * a.dim * a.vocab_size)
