@@ -2,13 +2,16 @@
 
     python scripts/convert_checkpoint.py dcp-to-hf <step folder> <out folder> --flavor debugmodel [--model llama3]
                                                    [--dtype bfloat16]
-    python scripts/convert_checkpoint.py hf-to-dcp <hf folder> <out step folder> [--model llama3 --flavor 8B]
+    python scripts/convert_checkpoint.py hf-to-dcp <hf folder> <out step folder> [--model qwen3 [--flavor 8B]]
     python scripts/convert_checkpoint.py dcp-to-pt <step folder> <out.pt>
 
-Runs on one process, no GPU or process group needed. Only model weights are converted (never optimizer
-state). A DCP folder is read from its own metadata, so any layout it was saved with (FSDP, DDP, one
-process) and any dtype work. `hf-to-dcp` writes a model-only checkpoint with a completion marker that
-`checkpoint.initial_load_path` (or a run's own checkpoint folder) can load.
+Works for every registered model with a Hugging Face state-dict adapter (`--model`, as `model.name` in a
+config). A DCP folder does not record its model, so `dcp-to-hf` takes `--model` (default llama3); `hf-to-dcp`
+without `--model` uses the model whose adapter reads config.json. Runs on one process, no GPU or process group
+needed. Only model weights are converted (never optimizer state). A DCP folder is read from its own metadata,
+so any layout it was saved with (FSDP, DDP, one process) and any dtype work. `hf-to-dcp` writes a model-only
+checkpoint with a completion marker that `checkpoint.initial_load_path` (or a run's own checkpoint folder) can
+load.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ def _read_dcp(folder: Path) -> dict[str, torch.Tensor]:
         raise ConvertError(f"{folder}: cannot read the checkpoint: {' '.join(str(e).split())[:300]}") from e
 
 
-def _check_against_model(sd: dict[str, torch.Tensor], spec, args, where: str) -> None:
+def _check_against_model(sd: dict[str, torch.Tensor], spec, args, flavor: str, where: str) -> None:
     """Names and shapes must be exactly those of the registry's model, built on meta (no memory)."""
+    # Named in every error: the default --model llama3 on another model's checkpoint is the likely mistake.
+    which = f"--model {spec.name} --flavor {flavor}"
     with torch.device("meta"):
         model = spec.model_cls(args)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -71,21 +76,21 @@ def _check_against_model(sd: dict[str, torch.Tensor], spec, args, where: str) ->
         expected.pop("output.weight", None)
     for key, shape in expected.items():
         if key not in sd:
-            raise ConvertError(f"{where}: missing '{key}' for this --model/--flavor")
+            raise ConvertError(f"{where}: missing '{key}' for {which}")
         if tuple(sd[key].shape) != shape:
-            raise ConvertError(f"{where}: '{key}' has shape {tuple(sd[key].shape)}, --flavor expects {shape}")
+            raise ConvertError(f"{where}: '{key}' has shape {tuple(sd[key].shape)}, {which} expects {shape}")
     extra = sorted(set(sd) - set(expected))
     if extra:
-        raise ConvertError(f"{where}: unexpected '{extra[0]}' for this --model/--flavor")
+        raise ConvertError(f"{where}: unexpected '{extra[0]}' for {which}")
 
 
 def dcp_to_hf(ns: argparse.Namespace) -> None:
     spec, args = _model_args(ns.model, ns.flavor)
     src = Path(ns.src)
     sd = _read_dcp(src)
-    _check_against_model(sd, spec, args, str(src))
-    out = save_hf(ns.out, sd, args, dtype=ns.dtype)
-    print(f"wrote {out} ({len(sd)} tensors, {ns.dtype})")
+    _check_against_model(sd, spec, args, ns.flavor, str(src))
+    out = save_hf(ns.out, sd, args, dtype=ns.dtype, model=ns.model)
+    print(f"wrote {out} ({len(sd)} tensors, {ns.model}, {ns.dtype})")
 
 
 def hf_to_dcp(ns: argparse.Namespace) -> None:
@@ -93,8 +98,11 @@ def hf_to_dcp(ns: argparse.Namespace) -> None:
 
     args = None
     if ns.flavor:
+        if ns.model is None:  # flavor names repeat across models (debugmodel), so a flavor alone is ambiguous
+            raise ConvertError("--flavor: needs --model too")
         _, args = _model_args(ns.model, ns.flavor)
-    sd, args = load_hf(ns.src, args)  # with args: config.json must match the flavor
+    # With args, config.json must match the flavor; with neither, the model is the one that reads config.json.
+    sd, args = load_hf(ns.src, args, model=ns.model)
     out = Path(ns.out)
     if out.exists():
         raise ConvertError(f"{out}: already exists; remove it or pick another folder")
@@ -105,6 +113,10 @@ def hf_to_dcp(ns: argparse.Namespace) -> None:
     cio.write_marker(out, {"step": step, "world_size": 1, "model_only": True, "dtype": "/".join(dtypes),
                            "source": str(Path(ns.src).resolve())})
     print(f"wrote {out} ({len(sd)} tensors, model only)")
+    if not ns.flavor:
+        # What config.json cannot describe is absent (e.g. MoE routing biases), and a run whose model has it
+        # fails to load the folder; the flavor's args add it (as zeros).
+        print("note: weights as config.json describes them; pass --model and --flavor to match a run's model")
 
 
 def dcp_to_pt(ns: argparse.Namespace) -> None:
@@ -126,15 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("dcp-to-hf", help="DCP step folder -> Hugging Face safetensors folder")
     a.add_argument("src", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-1000")
     a.add_argument("out", help="output folder (replaced atomically if it exists)")
-    a.add_argument("--model", default="llama3")
+    a.add_argument("--model", default="llama3", help="registered model name, as model.name (default llama3)")
     a.add_argument("--flavor", required=True)
     a.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     a.set_defaults(fn=dcp_to_hf)
     b = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> model-only DCP step folder")
     b.add_argument("src", help="folder with config.json and *.safetensors")
     b.add_argument("out", help="new DCP folder, e.g. seed/step-0")
-    b.add_argument("--model", default="llama3")
-    b.add_argument("--flavor", default=None, help="if given, config.json must match this flavor")
+    b.add_argument("--model", default=None, help="registered model name (default: the one that reads config.json)")
+    b.add_argument("--flavor", default=None, help="if given (with --model), config.json must match this flavor")
     b.set_defaults(fn=hf_to_dcp)
     c = sub.add_parser("dcp-to-pt", help="DCP step folder -> one torch.save file of model weights")
     c.add_argument("src")

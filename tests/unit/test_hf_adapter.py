@@ -1,4 +1,5 @@
-"""Tests for the Llama 3 <-> Hugging Face conversion (hf_adapter) and checkpoint folders (hf_io).
+"""Tests for the Llama 3 <-> Hugging Face conversion (hf_adapter) and checkpoint folders (hf_io); other models'
+folders: test_hf_io_models.py.
 
 The parity tests build `transformers.LlamaForCausalLM` from the folder we export, fully offline,
 and compare logits with our model; everything else runs without transformers.
@@ -322,6 +323,12 @@ def test_config_round_trip_for_every_flavor(name: str) -> None:
     args = llama3_flavors[name]
     found = args_from_hf_config(json.loads(json.dumps(hf_config(args))))
     check_args_match(args, found, name)  # includes ffn_hidden_dim, the only FFN quantity that matters
+    # The same functions on the adapter class, where model-independent code (hf_io) finds them.
+    cls = Llama3StateDictAdapter
+    assert cls.hf_config(args, "bfloat16", bos_id=1, eos_id=2) == hf_config(args, "bfloat16", bos_id=1, eos_id=2)
+    cls.check_args_match(args, cls.args_from_hf_config(hf_config(args), source=name), name)
+    with pytest.raises(ValueError, match="n_layers"):
+        cls.check_args_match(args, dataclasses.replace(found, n_layers=found.n_layers + 1), name)
 
 
 def test_folder_errors(tmp_path: Path) -> None:

@@ -213,7 +213,7 @@ class CheckpointManager:
         holder: dict[str, Any] = {}
 
         def read() -> None:
-            holder["sd"], _ = load_hf(path, self.model_args)
+            holder["sd"], _ = load_hf(path, self.model_args)  # adapter: the registered model with these args' class
 
         if broadcast:
             self._on_rank0(read, f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}")

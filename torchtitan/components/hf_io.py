@@ -1,10 +1,20 @@
-"""Save and load Hugging Face style Llama checkpoints (safetensors + config.json).
+"""Save and load Hugging Face checkpoint folders (safetensors + config.json) for any registered model.
 
-Layout written by `save_hf` (what `transformers.LlamaForCausalLM.from_pretrained` reads):
+Layout written by `save_hf` (what `transformers.AutoModelForCausalLM.from_pretrained` reads):
 
     folder/config.json
     folder/model.safetensors                              when everything fits in one shard, else
     folder/model-0000K-of-0000N.safetensors + folder/model.safetensors.index.json
+
+The model-specific part (key names, weight layouts, config.json) is the model's state-dict adapter, the
+`state_dict_adapter` of its `ModelSpec` (torchtitan/models/registry.py): a class built from the model args with
+`to_hf(sd)` / `from_hf(hf_sd)`, and static `hf_config(model_args, dtype, bos_id=, eos_id=)`,
+`args_from_hf_config(cfg, source=)` and `check_args_match(expected, found, source)`. Everything in this file (file
+layout, sharding, atomic publishing, safe reading) is the same for every model.
+
+Which adapter: pass `model=` a registered model name (e.g. `cfg.model.name`) or an adapter class. Without it,
+the model whose flavors have the type of `model_args` is used, and `load_hf` without args asks every registered
+adapter which one reads config.json.
 
 Only safetensors is read or written: no pickle, so loading a downloaded checkpoint cannot run code.
 Both functions work on full, plain tensors; with FSDP/TP gather the state dict first (e.g. with
@@ -19,18 +29,12 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.llama3.hf_adapter import (
-    Llama3StateDictAdapter,
-    args_from_hf_config,
-    check_args_match,
-    hf_config,
-)
 from torchtitan.tools.fs import fsync_dir
 
 CONFIG_NAME = "config.json"
@@ -94,26 +98,101 @@ def _publish(tmp: Path, folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Which model: the adapter class
+# ---------------------------------------------------------------------------------------------
+
+
+def _registered() -> list[tuple[str, Any]]:
+    """(name, ModelSpec) of every registered model that has a state-dict adapter, in name order."""
+    # Imported on use: the registry imports every model package, which this module need not load to be imported.
+    from torchtitan.models.registry import get_model_spec, model_names
+
+    specs = [(name, get_model_spec(name)) for name in model_names()]
+    return [(name, spec) for name, spec in specs if spec.state_dict_adapter is not None]
+
+
+def adapter_for(model: str | type | None = None, model_args: Any = None) -> type:
+    """The state-dict adapter class for `model`: a registered model name (`cfg.model.name`) or an adapter class,
+    returned as is. With model=None, that of the registered model whose flavors have `model_args`' type."""
+    if isinstance(model, type):
+        return model
+    if isinstance(model, str):
+        from torchtitan.models.registry import get_model_spec
+
+        adapter = get_model_spec(model).state_dict_adapter  # KeyError listing the known names
+        if adapter is None:
+            raise ValueError(f"model '{model}' has no Hugging Face state-dict adapter (ModelSpec.state_dict_adapter)")
+        return adapter
+    if model is not None:
+        raise TypeError(f"model: expected a registered model name or an adapter class, got {type(model).__name__}")
+    if model_args is None:
+        raise ValueError("pass model= (a registered model name or an adapter class) or model_args")
+    cls = type(model_args)
+    # Models sharing one args class and one adapter are interchangeable here, so count adapters, not names.
+    found = {spec.state_dict_adapter: name for name, spec in _registered()
+             if any(type(f) is cls for f in spec.flavors.values())}
+    if len(found) != 1:
+        which = f"several models ({', '.join(sorted(found.values()))})" if found else "no model with an adapter"
+        raise ValueError(f"{which} registered for model args of type {cls.__name__}: pass model= to choose")
+    return next(iter(found))
+
+
+def _detect(config: dict[str, Any], source: str) -> tuple[type, Any]:
+    """(adapter class, model args) of the one registered model whose adapter reads this config.json."""
+    found: dict[type, tuple[str, Any]] = {}
+    reasons: list[str] = []
+    for name, spec in _registered():
+        adapter = spec.state_dict_adapter
+        try:
+            found.setdefault(adapter, (name, adapter.args_from_hf_config(config, source=source)))
+        except (KeyError, TypeError, ValueError) as e:
+            # Every adapter refuses the others' configs (their model_type); its reason is kept for the message,
+            # since one of them is usually the real problem (a missing key, an unsupported feature).
+            reason = str(e.args[0]) if e.args else str(e)
+            reasons.append(f"{name}: {reason.removeprefix(source + ': ')}")
+    if len(found) == 1:
+        adapter, (_, args) = next(iter(found.items()))
+        return adapter, args
+    if found:
+        names = ", ".join(sorted(name for name, _ in found.values()))
+        raise ValueError(f"{source}: readable as several models ({names}): pass model= to choose")
+    raise ValueError(f"{source}: no registered model reads this config ({'; '.join(reasons)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and loading
+# ---------------------------------------------------------------------------------------------
+
+
 def save_hf(
     folder: str | os.PathLike[str],
     state_dict: dict[str, Tensor],
-    model_args: TransformerModelArgs,
+    model_args: Any,
     dtype: str = "float32",
     max_shard_bytes: int = 5 * 1024**3,
     bos_id: int | None = None,
     eos_id: int | None = None,
+    *,
+    model: str | type | None = None,
 ) -> Path:
-    """Write our full state dict as an HF Llama checkpoint folder, atomically; returns the folder.
+    """Write our full state dict as a Hugging Face checkpoint folder, atomically; returns the folder.
 
-    An existing folder is replaced. Tensors are cast to `dtype` ("float32" or "bfloat16") one shard
-    at a time, so the extra memory is about one shard plus the permuted wq/wk copies.
+    `model` picks the adapter (see `adapter_for`). An existing folder is replaced. Tensors are cast to `dtype`
+    ("float32" or "bfloat16") one shard at a time, so the extra memory is about one shard plus whatever new
+    tensors the adapter makes (e.g. permuted copies).
     """
     folder = Path(folder)
-    config = hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)  # validates dtype first
-    target = _DTYPES[dtype]
+    # Checked here, before the adapter runs, so every model refuses the same dtypes the same way.
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype '{dtype}' is not supported; use one of {', '.join(_DTYPES)}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    hf_sd = Llama3StateDictAdapter(model_args).to_hf(state_dict)
+    adapter = adapter_for(model, model_args)
+    config = adapter.hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)
+    target = _DTYPES[dtype]
+    hf_sd = adapter(model_args).to_hf(state_dict)
+    fp32_suffixes = tuple(getattr(adapter, "FLOAT32_HF_KEY_SUFFIXES", ()))
     itemsize = torch.empty((), dtype=target).element_size()
     shards = _plan_shards(hf_sd, itemsize, max_shard_bytes)
 
@@ -128,12 +207,15 @@ def save_hf(
         for k, keys in enumerate(shards, start=1):
             name = SINGLE_NAME if len(shards) == 1 else _shard_name(k, len(shards))
             # contiguous(): safetensors needs dense tensors; .to() is a no-op for tensors already in dtype.
-            part = {key: hf_sd[key].detach().to(device="cpu", dtype=target).contiguous() for key in keys}
+            # Keys the adapter keeps in float32 whatever `dtype` (DeepSeek-V3's routing bias moves in steps of 1e-3,
+            # below bfloat16's resolution; the published checkpoints store it in float32 too).
+            part = {key: hf_sd[key].detach().to(device="cpu", dtype=torch.float32 if key.endswith(fp32_suffixes)
+                                                else target).contiguous() for key in keys}
             save_file(part, str(tmp / name), metadata={"format": "pt"})
             _fsync_file(tmp / name)
             for key, t in part.items():
                 weight_map[key] = name
-                total += t.numel() * itemsize
+                total += t.numel() * t.element_size()
             del part
         if len(shards) > 1:
             _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -183,13 +265,16 @@ def _load_sharded(folder: Path) -> dict[str, Tensor]:
 
 def load_hf(
     folder: str | os.PathLike[str],
-    model_args: TransformerModelArgs | None = None,
-) -> tuple[dict[str, Tensor], TransformerModelArgs]:
-    """Read an HF Llama checkpoint folder into (our state dict, model args).
+    model_args: Any = None,
+    *,
+    model: str | type | None = None,
+) -> tuple[dict[str, Tensor], Any]:
+    """Read a Hugging Face checkpoint folder into (our state dict, model args).
 
-    With `model_args`, config.json must describe the same shapes and numerics (else ValueError) and
-    `model_args` is returned; without, the args are derived from config.json. Tensors keep the
-    dtype they were stored in; `load_state_dict` casts them into the model's parameters.
+    `model` picks the adapter (see `adapter_for`); with neither `model` nor `model_args`, the registered model
+    whose adapter reads config.json. With `model_args`, config.json must describe the same shapes and numerics
+    (else ValueError) and `model_args` is returned; without, the args are derived from config.json. Tensors keep
+    the dtype they were stored in; `load_state_dict` casts them into the model's parameters.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -198,9 +283,18 @@ def load_hf(
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: not found; not a Hugging Face model folder")
     config = _read_json(config_path)
-    found = args_from_hf_config(config, source=str(config_path))
+    source = str(config_path)
+    if model is None and model_args is None:
+        adapter, found = _detect(config, source)
+    else:
+        adapter = adapter_for(model, model_args)
+        found = adapter.args_from_hf_config(config, source=source)
     if model_args is not None:
-        check_args_match(model_args, found, str(config_path))
+        # Args of another model's class (a wrong `model=`) would fail obscurely inside check_args_match.
+        if type(found) is not type(model_args):
+            raise TypeError(f"model_args is a {type(model_args).__name__}, but {adapter.__name__} reads "
+                            f"{type(found).__name__}")
+        adapter.check_args_match(model_args, found, source)
     args = model_args if model_args is not None else found
 
     single, index = folder / SINGLE_NAME, folder / INDEX_NAME
@@ -214,4 +308,4 @@ def load_hf(
         pickled = sorted(p.name for p in folder.glob("*.bin"))
         hint = f" (found {pickled[0]}: pickle checkpoints are not loaded, convert to safetensors)" if pickled else ""
         raise FileNotFoundError(f"{folder}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")
-    return Llama3StateDictAdapter(args).from_hf(hf_sd), args
+    return adapter(args).from_hf(hf_sd), args

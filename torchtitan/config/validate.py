@@ -241,12 +241,6 @@ def _check_checkpoint(cfg: JobConfig) -> None:
              "lr_scheduler, dataloader, train_state, rng")
     if c.initial_load_in_hf and not c.initial_load_path:
         _err("checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
-    for key, value in (("initial_load_in_hf", c.initial_load_in_hf), ("last_save_in_hf", c.last_save_in_hf)):
-        # torchtitan/components/hf_io.py reads and writes Llama folders only so far; other models have adapters
-        # (their tests check transformers' logits) but not this wiring.
-        if value and cfg.model.name != "llama3":
-            _err(f"checkpoint.{key}: Hugging Face folders through the trainer are available for llama3 only yet, "
-                 f"not {cfg.model.name}")
     if c.create_seed_checkpoint and not c.enable:
         _err("checkpoint.create_seed_checkpoint: needs checkpoint.enable = true (the seed goes into checkpoint.folder)")
 

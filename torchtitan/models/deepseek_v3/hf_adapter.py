@@ -98,6 +98,9 @@ class DeepSeekV3StateDictAdapter:
     """Renames full (unsharded) DeepSeek-V3 state dicts to and from the HF layout; same interface as
     `Qwen3StateDictAdapter` (`to_hf`, `from_hf`, plus the config.json functions below as static methods)."""
 
+    # Saved in float32 whatever the export dtype (torchtitan/components/hf_io.py): the routing bias.
+    FLOAT32_HF_KEY_SUFFIXES = ("e_score_correction_bias",)
+
     def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
         a = self.model_args = model_args
         if _unsupported(a):

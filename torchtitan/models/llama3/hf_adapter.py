@@ -177,6 +177,23 @@ class Llama3StateDictAdapter:
             out["output.weight"] = out["tok_embeddings.weight"]
         return out
 
+    # -- config.json: the module functions below, on the class so model-independent code (hf_io) needs only
+    # the adapter class from the model registry. The module functions stay for existing callers.
+
+    @staticmethod
+    def hf_config(
+        model_args: TransformerModelArgs, dtype: str = "float32", bos_id: int | None = None, eos_id: int | None = None
+    ) -> dict[str, Any]:
+        return hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)
+
+    @staticmethod
+    def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> TransformerModelArgs:
+        return args_from_hf_config(cfg, source)
+
+    @staticmethod
+    def check_args_match(expected: TransformerModelArgs, found: TransformerModelArgs, source: str) -> None:
+        check_args_match(expected, found, source)
+
 
 # ---------------------------------------------------------------------------------------------
 # config.json
