@@ -19,27 +19,18 @@ and only stores the result de-interleaved, which q.k does not see; so conversion
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from torchtitan.models.decoder import CausalAttention, Decoder, ParamInit, RMSNorm, trunc_normal
+from torchtitan.models.decoder import TransformerBlock as _Block
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
-from torchtitan.models.llama3.model import CausalAttention, FeedForward, ParamInit, RMSNorm, apply_rotary_emb
-from torchtitan.models.moe import MoE
+from torchtitan.models.llama3.model import apply_rotary_emb
 from torchtitan.models.qwen3.model import get_active_nparams
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_norm and kv_norm: fixed in the reference and in transformers, whatever rms_norm_eps is."""
-
-
-def _default_param_init(param: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> None:
-    fill(param)
-
-
-def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
-    # Cut at +-3 std so that no single weight starts as an outlier (the Llama model's rule).
-    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,140 +139,34 @@ class MLAttention(nn.Module):
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:
         if self.wq is not None:
-            param_init(self.wq.weight, _trunc_normal(0.02))
+            param_init(self.wq.weight, trunc_normal(0.02))
         else:
-            param_init(self.wq_a.weight, _trunc_normal(0.02))
+            param_init(self.wq_a.weight, trunc_normal(0.02))
             self.q_norm.init_weights(param_init)
-            param_init(self.wq_b.weight, _trunc_normal(0.02))
-        param_init(self.wkv_a.weight, _trunc_normal(0.02))
+            param_init(self.wq_b.weight, trunc_normal(0.02))
+        param_init(self.wkv_a.weight, trunc_normal(0.02))
         self.kv_norm.init_weights(param_init)
-        param_init(self.wkv_b.weight, _trunc_normal(0.02))
-        param_init(self.wo.weight, _trunc_normal(out_std))
+        param_init(self.wkv_b.weight, trunc_normal(0.02))
+        param_init(self.wo.weight, trunc_normal(out_std))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: MLA, then the dense SwiGLU MLP (`feed_forward`, the first n_dense_layers blocks) or
-    a mixture of experts (`moe`); exactly one of the two exists."""
+class TransformerBlock(_Block):
+    """Pre-norm residual block: MLAttention, then the dense SwiGLU MLP or a mixture of experts
+    (torchtitan/models/decoder.py)."""
 
     def __init__(self, layer_id: int, model_args: DeepSeekV3ModelArgs) -> None:
-        super().__init__()
-        # Kept on the block (not derived from its key in `layers`) so a pipeline stage holding only some of the
-        # layers still initialises each one as the full model would.
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.attention = MLAttention(model_args)
-        self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.moe_enabled = model_args.is_moe_layer(layer_id)
-        self.feed_forward: FeedForward | None = None
-        self.moe: MoE | None = None
-        if self.moe_enabled:
-            self.moe = MoE(model_args.dim, model_args.moe)
-        else:
-            self.feed_forward = FeedForward(model_args.dim, model_args.ffn_hidden_dim)
-        # Residual-branch outputs add up over the depth; shrinking their init keeps the residual stream's variance
-        # from growing with the number of layers.
-        depth = (layer_id + 1) if model_args.depth_init else model_args.n_layers
-        self.weight_init_std = 0.02 / math.sqrt(2 * depth)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids)
-        mlp = self.moe if self.moe is not None else self.feed_forward
-        return h + mlp(self.ffn_norm(h))
-
-    def init_weights(self, param_init: ParamInit) -> None:
-        self.attention_norm.init_weights(param_init)
-        self.attention.init_weights(self.weight_init_std, param_init)
-        self.ffn_norm.init_weights(param_init)
-        if self.moe is not None:
-            self.moe.init_weights(self.weight_init_std, param_init)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std, param_init)
+        super().__init__(layer_id, model_args, MLAttention(model_args))
 
 
-class DeepSeekV3Transformer(nn.Module):
-    """DeepSeek-V3 decoder: tokens [B, S] -> logits [B, S, vocab].
-
-    Pipeline stages are cut as for the Llama model: set `tok_embeddings`, `norm` or `output` to None and delete
-    entries of `layers`; a stage without embeddings takes hidden states [B, S, dim] and one without output returns
-    hidden states.
-    """
+class DeepSeekV3Transformer(Decoder):
+    """DeepSeek-V3 decoder: tokens [B, S] -> logits [B, S, vocab] (the skeleton, pipeline cutting and init contract are
+    torchtitan/models/decoder.py's)."""
 
     def __init__(self, model_args: DeepSeekV3ModelArgs) -> None:
-        super().__init__()
-        self.model_args = model_args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
-        if model_args.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Non-persistent: a pure function of the config. On the meta device it has no values; init_weights fills it.
-        self.register_buffer("freqs_cis", precompute_rope_table(model_args, None), persistent=False)
+        super().__init__(model_args, TransformerBlock)
 
-    def _default_buffer_device(self) -> torch.device:
-        if self.tok_embeddings is not None:
-            return self.tok_embeddings.weight.device
-        param = next(self.parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
-
-    def _restore_tie(self) -> None:
-        # Module.to_empty() materialises each module's parameters separately, which silently turns a shared weight
-        # into two (unless swap_module_params_on_conversion is enabled).
-        emb, out = self.tok_embeddings, self.output
-        if self.model_args.tie_word_embeddings and emb is not None and out is not None and out.weight is not emb.weight:
-            out.weight = emb.weight
-
-    def init_weights(self, buffer_device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
-        """Fill every parameter exactly once, in registration order, rebuild `freqs_cis` and zero the MoE balancing
-        buffers.
-
-        Order: tok_embeddings, then each block (attention_norm, wq or wq_a, q_norm, wq_b, then wkv_a, kv_norm, wkv_b,
-        wo, ffn_norm, then w1, w2, w3 or router.gate, experts.w1, w2, w3, shared_experts.w1, w2, w3), then norm, then
-        output (skipped when tied): the order of `self.parameters()`, so a seeded, order-dependent param_init is
-        reproducible.
-        """
-        fill = param_init if param_init is not None else _default_param_init
-        device = buffer_device if buffer_device is not None else self._default_buffer_device()
-        dim = self.model_args.dim
-        with torch.no_grad():
-            self.freqs_cis = precompute_rope_table(self.model_args, device)
-            self._restore_tie()
-            tied = (self.output is not None and self.tok_embeddings is not None
-                    and self.output.weight is self.tok_embeddings.weight)
-            if self.tok_embeddings is not None:
-                # As in the Llama model: std 1.0 untied (the embedding feeds an RMSNorm straight away); tied, the
-                # matrix is also the output projection, where std 1.0 would give initial logits of std ~sqrt(dim).
-                if tied:
-                    fill(self.tok_embeddings.weight, _trunc_normal(dim**-0.5))
-                else:
-                    fill(self.tok_embeddings.weight, lambda t: nn.init.normal_(t, mean=0.0, std=1.0))
-            for layer in self.layers.values():
-                layer.init_weights(fill)
-            if self.norm is not None:
-                self.norm.init_weights(fill)
-            if self.output is not None and not tied:
-                # std dim**-0.5 makes initial logits roughly unit variance given a unit-RMS input.
-                fill(self.output.weight, _trunc_normal(dim**-0.5))
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`tokens` [batch, seq] (or a pipeline stage's hidden states).
-        `positions`: the tokens' rotary positions when they are not 0 .. seq - 1: [seq] (context parallel) or
-        [batch, seq] (document masking restarts them in every document).
-        `document_ids` [batch, seq]: attention stays within each document; under context parallel the whole
-        sequence's ids."""
-        # The whole table goes to the blocks, which take the rows they need from the sequence length inside
-        # attention (a pipeline stage's input may be sharded on the sequence).
-        if tokens.dim() == 2 and tokens.shape[1] > self.freqs_cis.shape[0]:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.freqs_cis.shape[0]}")
-        rope = self.freqs_cis if positions is None else self.freqs_cis[positions]
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, rope, document_ids)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+    def rope_table(self, device: torch.device | None) -> torch.Tensor:
+        return precompute_rope_table(self.model_args, device)
 
 
 # ---------------------------------------------------------------------------------------------

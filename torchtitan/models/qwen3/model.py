@@ -13,24 +13,14 @@ and optional MoE blocks.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from torchtitan.models.llama3.model import CausalAttention, FeedForward, ParamInit, RMSNorm, precompute_freqs_cis
+from torchtitan.models.decoder import CausalAttention, Decoder, ParamInit, RMSNorm, trunc_normal
+from torchtitan.models.decoder import TransformerBlock as _Block
+from torchtitan.models.llama3.model import precompute_freqs_cis
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
-
-
-def _default_param_init(param: torch.Tensor, fill: Callable[[torch.Tensor], object]) -> None:
-    fill(param)
-
-
-def _trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
-    # Cut at +-3 std so that no single weight starts as an outlier (the Llama model's rule).
-    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -86,141 +76,32 @@ class Attention(nn.Module):
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:
         for lin in (self.wq, self.wk, self.wv):
-            param_init(lin.weight, _trunc_normal(0.02))
-        param_init(self.wo.weight, _trunc_normal(out_std))
+            param_init(lin.weight, trunc_normal(0.02))
+        param_init(self.wo.weight, trunc_normal(out_std))
         self.q_norm.init_weights(param_init)
         self.k_norm.init_weights(param_init)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then the dense SwiGLU MLP (`feed_forward`) or a mixture of experts
-    (`moe`); exactly one of the two exists."""
+class TransformerBlock(_Block):
+    """Pre-norm residual block: Attention, then the dense SwiGLU MLP or a mixture of experts
+    (torchtitan/models/decoder.py)."""
 
     def __init__(self, layer_id: int, model_args: Qwen3ModelArgs) -> None:
-        super().__init__()
-        # Kept on the block (not derived from its key in `layers`) so a pipeline stage holding only some of the
-        # layers still initialises each one as the full model would.
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.attention = Attention(model_args)
-        self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.moe_enabled = model_args.is_moe_layer(layer_id)
-        self.feed_forward: FeedForward | None = None
-        self.moe: MoE | None = None
-        if self.moe_enabled:
-            assert model_args.moe is not None  # is_moe_layer checked it
-            self.moe = MoE(model_args.dim, model_args.moe)
-        else:
-            self.feed_forward = FeedForward(model_args.dim, model_args.ffn_hidden_dim)
-        # Residual-branch outputs add up over the depth; shrinking their init keeps the residual stream's variance
-        # from growing with the number of layers.
-        depth = (layer_id + 1) if model_args.depth_init else model_args.n_layers
-        self.weight_init_std = 0.02 / math.sqrt(2 * depth)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids)
-        mlp = self.moe if self.moe is not None else self.feed_forward
-        return h + mlp(self.ffn_norm(h))
-
-    def init_weights(self, param_init: ParamInit) -> None:
-        self.attention_norm.init_weights(param_init)
-        self.attention.init_weights(self.weight_init_std, param_init)
-        self.ffn_norm.init_weights(param_init)
-        if self.moe is not None:
-            self.moe.init_weights(self.weight_init_std, param_init)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std, param_init)
+        super().__init__(layer_id, model_args, Attention(model_args))
 
 
-class Qwen3Transformer(nn.Module):
-    """Qwen3 decoder: tokens [B, S] -> logits [B, S, vocab].
-
-    Pipeline stages are cut as for the Llama model: set `tok_embeddings`, `norm` or `output` to None and delete
-    entries of `layers`; a stage without embeddings takes hidden states [B, S, dim] and one without output returns
-    hidden states.
-    """
+class Qwen3Transformer(Decoder):
+    """Qwen3 decoder: tokens [B, S] -> logits [B, S, vocab] (the skeleton, pipeline cutting and init contract are
+    torchtitan/models/decoder.py's)."""
 
     def __init__(self, model_args: Qwen3ModelArgs) -> None:
-        super().__init__()
-        self.model_args = model_args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, model_args) for i in range(model_args.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
-        if model_args.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # Non-persistent: a pure function of the config. On the meta device it has no values; init_weights fills it.
-        self.register_buffer("freqs_cis", self._compute_freqs_cis(None), persistent=False)
+        super().__init__(model_args, TransformerBlock)
 
-    def _compute_freqs_cis(self, device: torch.device | None) -> torch.Tensor:
+    def rope_table(self, device: torch.device | None) -> torch.Tensor:
         # The same (cos, sin) table as Llama's without frequency scaling: only the channel pairing differs, and
         # that lives in apply_rotary_emb.
         args = self.model_args
         return precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta, None, device)
-
-    def _default_buffer_device(self) -> torch.device:
-        if self.tok_embeddings is not None:
-            return self.tok_embeddings.weight.device
-        param = next(self.parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
-
-    def _restore_tie(self) -> None:
-        # Module.to_empty() materialises each module's parameters separately, which silently turns a shared weight
-        # into two (unless swap_module_params_on_conversion is enabled).
-        emb, out = self.tok_embeddings, self.output
-        if self.model_args.tie_word_embeddings and emb is not None and out is not None and out.weight is not emb.weight:
-            out.weight = emb.weight
-
-    def init_weights(self, buffer_device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
-        """Fill every parameter exactly once, in registration order, and rebuild `freqs_cis` (and zero the MoE
-        balancing buffers).
-
-        Order: tok_embeddings, then each block (attention_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm, then
-        w1, w2, w3 or router.gate, experts.w1, w2, w3), then norm, then output (skipped when tied). This equals
-        the order of `self.parameters()`, so a seeded, order-dependent param_init is reproducible.
-        """
-        fill = param_init if param_init is not None else _default_param_init
-        device = buffer_device if buffer_device is not None else self._default_buffer_device()
-        dim = self.model_args.dim
-        with torch.no_grad():
-            self.freqs_cis = self._compute_freqs_cis(device)
-            self._restore_tie()
-            tied = (self.output is not None and self.tok_embeddings is not None
-                    and self.output.weight is self.tok_embeddings.weight)
-            if self.tok_embeddings is not None:
-                # As in the Llama model: std 1.0 untied (the embedding feeds an RMSNorm straight away); tied, the
-                # matrix is also the output projection, where std 1.0 would give initial logits of std ~sqrt(dim).
-                if tied:
-                    fill(self.tok_embeddings.weight, _trunc_normal(dim**-0.5))
-                else:
-                    fill(self.tok_embeddings.weight, lambda t: nn.init.normal_(t, mean=0.0, std=1.0))
-            for layer in self.layers.values():
-                layer.init_weights(fill)
-            if self.norm is not None:
-                self.norm.init_weights(fill)
-            if self.output is not None and not tied:
-                # std dim**-0.5 makes initial logits roughly unit variance given a unit-RMS input.
-                fill(self.output.weight, _trunc_normal(dim**-0.5))
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`tokens` [batch, seq] (or a pipeline stage's hidden states).
-        `positions`: the tokens' rotary positions when they are not 0 .. seq - 1: [seq] (context parallel) or
-        [batch, seq] (document masking restarts them in every document).
-        `document_ids` [batch, seq]: attention stays within each document; under context parallel the whole
-        sequence's ids."""
-        # The whole table goes to the blocks, which take the rows they need from the sequence length inside
-        # attention (a pipeline stage's input may be sharded on the sequence).
-        if tokens.dim() == 2 and tokens.shape[1] > self.freqs_cis.shape[0]:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.freqs_cis.shape[0]}")
-        rope = self.freqs_cis if positions is None else self.freqs_cis[positions]
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, rope, document_ids)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
 
 
 # ---------------------------------------------------------------------------------------------
