@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, YaRNScaling
+from torchtitan.models.hf_common import check_state_dict, require
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.tools.logging import logger
 
@@ -73,25 +74,12 @@ def _unsupported(a: DeepSeekV3ModelArgs) -> list[str]:
 
 
 def _check(side: str, got: dict[str, Any], shapes: dict[str, tuple[int, ...]], optional: set[str]) -> None:
-    """Raise on the first unexpected or missing key, non-Tensor value or wrong shape."""
+    """check_state_dict, with a hint for FP8 checkpoints (their block scales are extra keys)."""
     for key in got:
-        if key not in shapes:
-            if key.endswith("weight_scale_inv"):
-                raise ValueError(f"{side} state dict: '{key}' is an FP8 block scale; dequantize the checkpoint to "
-                                 "bf16 first (e.g. DeepSeek's inference/fp8_cast_bf16.py)")
-            raise KeyError(f"{side} state dict: unexpected key '{key}' for this model config")
-    for key, shape in shapes.items():
-        if key not in got:
-            if key in optional:
-                continue
-            raise KeyError(f"{side} state dict: missing key '{key}'")
-        value = got[key]
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{side} state dict: '{key}' is a {type(value).__name__}, expected a Tensor")
-        if type(value) is not Tensor and type(value).__name__ == "DTensor":
-            raise TypeError(f"{side} state dict: '{key}' is a DTensor; gather it with .full_tensor() first")
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{side} state dict: '{key}' has shape {tuple(value.shape)}, expected {shape}")
+        if key not in shapes and key.endswith("weight_scale_inv"):
+            raise ValueError(f"{side} state dict: '{key}' is an FP8 block scale; dequantize the checkpoint to "
+                             "bf16 first (e.g. DeepSeek's inference/fp8_cast_bf16.py)")
+    check_state_dict(side, got, shapes, optional)
 
 
 class DeepSeekV3StateDictAdapter:
@@ -292,12 +280,6 @@ def hf_config(model_args: DeepSeekV3ModelArgs, dtype: str = "float32", bos_id: i
     }
 
 
-def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise KeyError(f"{source}: missing key '{key}'")
-    return cfg[key]
-
-
 def _rope(cfg: dict[str, Any], source: str) -> tuple[float, YaRNScaling | None]:
     """(rope_theta, YaRN scaling) from the legacy `rope_theta` / `rope_scaling` keys or transformers 5's
     `rope_parameters`, read as transformers reads them (beta defaults 32 / 1, a missing mscale counts as 0)."""
@@ -337,16 +319,16 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Dee
         raise ValueError(f"{source}: rope_interleave=false is not supported (our rotary pairs channels 2i, 2i+1)")
     if "q_lora_rank" not in cfg:
         raise KeyError(f"{source}: missing key 'q_lora_rank' (null for a plain query projection)")
-    n_heads = int(_require(cfg, "num_attention_heads", source))
+    n_heads = int(require(cfg, "num_attention_heads", source))
     if int(cfg.get("num_key_value_heads") or n_heads) != n_heads:
         raise ValueError(f"{source}: num_key_value_heads must equal num_attention_heads for MLA")
     if cfg.get("tie_word_embeddings", False):
         raise ValueError(f"{source}: tie_word_embeddings=true is not supported")
     theta, scaling = _rope(cfg, source)
     try:
-        moe = MoEArgs(num_experts=int(cfg.get("n_routed_experts") or _require(cfg, "num_local_experts", source)),
-                      top_k=int(_require(cfg, "num_experts_per_tok", source)),
-                      hidden_dim=int(_require(cfg, "moe_intermediate_size", source)),
+        moe = MoEArgs(num_experts=int(cfg.get("n_routed_experts") or require(cfg, "num_local_experts", source)),
+                      top_k=int(require(cfg, "num_experts_per_tok", source)),
+                      hidden_dim=int(require(cfg, "moe_intermediate_size", source)),
                       num_shared_experts=int(cfg.get("n_shared_experts", 1)), score_func="sigmoid",
                       route_norm=bool(cfg.get("norm_topk_prob", True)),
                       route_scale=float(cfg.get("routed_scaling_factor", 2.5)),
@@ -354,19 +336,19 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Dee
                       num_limited_groups=int(cfg.get("topk_group") or 4),
                       load_balance_coeff=IMPORT_LOAD_BALANCE_COEFF)
         return DeepSeekV3ModelArgs(
-            dim=int(_require(cfg, "hidden_size", source)),
-            n_layers=int(_require(cfg, "num_hidden_layers", source)),
+            dim=int(require(cfg, "hidden_size", source)),
+            n_layers=int(require(cfg, "num_hidden_layers", source)),
             n_heads=n_heads,
-            vocab_size=int(_require(cfg, "vocab_size", source)),
-            ffn_hidden_dim=int(_require(cfg, "intermediate_size", source)),
-            n_dense_layers=int(_require(cfg, "first_k_dense_replace", source)),
-            norm_eps=float(_require(cfg, "rms_norm_eps", source)),
+            vocab_size=int(require(cfg, "vocab_size", source)),
+            ffn_hidden_dim=int(require(cfg, "intermediate_size", source)),
+            n_dense_layers=int(require(cfg, "first_k_dense_replace", source)),
+            norm_eps=float(require(cfg, "rms_norm_eps", source)),
             max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
             q_lora_rank=int(cfg["q_lora_rank"] or 0),
-            kv_lora_rank=int(_require(cfg, "kv_lora_rank", source)),
-            qk_nope_head_dim=int(_require(cfg, "qk_nope_head_dim", source)),
-            qk_rope_head_dim=int(_require(cfg, "qk_rope_head_dim", source)),
-            v_head_dim=int(_require(cfg, "v_head_dim", source)),
+            kv_lora_rank=int(require(cfg, "kv_lora_rank", source)),
+            qk_nope_head_dim=int(require(cfg, "qk_nope_head_dim", source)),
+            qk_rope_head_dim=int(require(cfg, "qk_rope_head_dim", source)),
+            v_head_dim=int(require(cfg, "v_head_dim", source)),
             rope_theta=theta,
             rope_scaling=scaling,
             moe=moe,

@@ -13,12 +13,11 @@ Everything else (embeddings, norms, MLP, wv, wo) is copied as is: wv/wo never go
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from torchtitan.models.hf_common import close, require, same_tensor
 from torchtitan.models.llama3.args import RoPEScaling, TransformerModelArgs
 
 _DTYPE_NAMES = ("float32", "bfloat16")
@@ -51,17 +50,6 @@ def _permute_to_hf(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
 def _permute_from_hf(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
     """Exact inverse of `_permute_to_hf`: rows (h, half, i) -> (h, i, half)."""
     return w.reshape(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    # A tied model's state_dict holds one tensor twice; the identity checks avoid a full compare.
-    if a is b:
-        return True
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
-        return True
-    return bool(torch.equal(a, b))
 
 
 class Llama3StateDictAdapter:
@@ -133,7 +121,7 @@ class Llama3StateDictAdapter:
         # A tied model's own state_dict() carries output.weight as an alias; a hand-built one may not.
         self._check("our", state_dict, {k: k for k in self.to_hf_keys}, {"output.weight"} if tied else set())
         if tied and "output.weight" in state_dict:
-            if not _same_tensor(state_dict["output.weight"], state_dict["tok_embeddings.weight"]):
+            if not same_tensor(state_dict["output.weight"], state_dict["tok_embeddings.weight"]):
                 raise ValueError(
                     "our state dict: 'output.weight' differs from 'tok_embeddings.weight' but "
                     "tie_word_embeddings=True; the HF checkpoint would silently drop it"
@@ -160,7 +148,7 @@ class Llama3StateDictAdapter:
         self._check("HF", hf_state_dict, self.from_hf_keys, {"lm_head.weight"} if tied else set())
         if tied and "lm_head.weight" in hf_state_dict:
             # Some tied checkpoints store lm_head anyway; accept it only if it really is the embedding.
-            if not _same_tensor(hf_state_dict["lm_head.weight"], hf_state_dict["model.embed_tokens.weight"]):
+            if not same_tensor(hf_state_dict["lm_head.weight"], hf_state_dict["model.embed_tokens.weight"]):
                 raise ValueError(
                     "HF state dict: 'lm_head.weight' differs from 'model.embed_tokens.weight' but "
                     "tie_word_embeddings=true"
@@ -266,12 +254,6 @@ def _ffn_params(dim: int, intermediate_size: int, source: str) -> tuple[int, flo
     raise ValueError(f"{source}: cannot express intermediate_size={intermediate_size} for hidden_size={dim}")
 
 
-def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise KeyError(f"{source}: missing key '{key}'")
-    return cfg[key]
-
-
 def _rope_from_cfg(cfg: dict[str, Any], source: str) -> tuple[float, RoPEScaling | None]:
     """(rope_theta, scaling) from either the legacy `rope_scaling` + `rope_theta` keys or the
     `rope_parameters` dict that transformers >= 5 writes."""
@@ -306,25 +288,25 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Tra
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key, False):
             raise ValueError(f"{source}: '{key}' = true is not supported (our Llama has no biases)")
-    dim = int(_require(cfg, "hidden_size", source))
-    n_heads = int(_require(cfg, "num_attention_heads", source))
+    dim = int(require(cfg, "hidden_size", source))
+    n_heads = int(require(cfg, "num_attention_heads", source))
     head_dim = cfg.get("head_dim")
     if head_dim is not None and int(head_dim) * n_heads != dim:
         raise ValueError(f"{source}: head_dim={head_dim} != hidden_size / num_attention_heads ({dim}/{n_heads})")
-    intermediate = int(_require(cfg, "intermediate_size", source))
+    intermediate = int(require(cfg, "intermediate_size", source))
     multiple_of, ffn_mult = _ffn_params(dim, intermediate, source)
     theta, scaling = _rope_from_cfg(cfg, source)
     kv = cfg.get("num_key_value_heads")
     try:
         args = TransformerModelArgs(
             dim=dim,
-            n_layers=int(_require(cfg, "num_hidden_layers", source)),
+            n_layers=int(require(cfg, "num_hidden_layers", source)),
             n_heads=n_heads,
             n_kv_heads=None if kv is None else int(kv),
-            vocab_size=int(_require(cfg, "vocab_size", source)),
+            vocab_size=int(require(cfg, "vocab_size", source)),
             multiple_of=multiple_of,
             ffn_dim_multiplier=ffn_mult,
-            norm_eps=float(_require(cfg, "rms_norm_eps", source)),
+            norm_eps=float(require(cfg, "rms_norm_eps", source)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
@@ -335,10 +317,6 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Tra
     if args.ffn_hidden_dim != intermediate:  # guards the _ffn_params search, never expected to fire
         raise ValueError(f"{source}: intermediate_size={intermediate} maps to ffn_hidden_dim={args.ffn_hidden_dim}")
     return args
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
 def check_args_match(expected: TransformerModelArgs, found: TransformerModelArgs, source: str) -> None:
@@ -362,16 +340,16 @@ def check_args_match(expected: TransformerModelArgs, found: TransformerModelArgs
         ("norm_eps", expected.norm_eps, found.norm_eps),
         ("rope_theta", expected.rope_theta, found.rope_theta),
     ):
-        if not _close(want_f, got_f):
+        if not close(want_f, got_f):
             raise ValueError(f"{source}: {name}={got_f} does not match the model config ({want_f})")
     want_s, got_s = expected.rope_scaling, found.rope_scaling
     if (want_s is None) != (got_s is None) or (
         want_s is not None
         and got_s is not None
         and not (
-            _close(want_s.factor, got_s.factor)
-            and _close(want_s.low_freq_factor, got_s.low_freq_factor)
-            and _close(want_s.high_freq_factor, got_s.high_freq_factor)
+            close(want_s.factor, got_s.factor)
+            and close(want_s.low_freq_factor, got_s.low_freq_factor)
+            and close(want_s.high_freq_factor, got_s.high_freq_factor)
             and want_s.original_max_position_embeddings == got_s.original_max_position_embeddings
         )
     ):

@@ -14,12 +14,12 @@ out (warning when it is not zero, since the HF model then routes differently) an
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from torchtitan.models.hf_common import check_state_dict, close, require, same_tensor
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.tools.logging import logger
@@ -46,36 +46,6 @@ _DENSE_KEYS: dict[str, str] = {
 _ROUTER_KEY = ("moe.router.gate.weight", "mlp.gate.weight")
 _EXPERT_KEYS: dict[str, str] = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj",
                                 "moe.experts.w3": "up_proj"}
-
-
-def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    # A tied model's state_dict holds one tensor twice; the identity checks avoid a full compare.
-    if a is b:
-        return True
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
-        return True
-    return bool(torch.equal(a, b))
-
-
-def _check(side: str, got: dict[str, Any], shapes: dict[str, tuple[int, ...]], optional: set[str]) -> None:
-    """Raise on the first unexpected or missing key, non-Tensor value or wrong shape."""
-    for key in got:
-        if key not in shapes and key not in optional:
-            raise KeyError(f"{side} state dict: unexpected key '{key}' for this model config")
-    for key, shape in shapes.items():
-        if key not in got:
-            if key in optional:
-                continue
-            raise KeyError(f"{side} state dict: missing key '{key}'")
-        value = got[key]
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{side} state dict: '{key}' is a {type(value).__name__}, expected a Tensor")
-        if type(value) is not Tensor and type(value).__name__ == "DTensor":
-            raise TypeError(f"{side} state dict: '{key}' is a DTensor; gather it with .full_tensor() first")
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{side} state dict: '{key}' has shape {tuple(value.shape)}, expected {shape}")
 
 
 def _unsupported_moe(moe: MoEArgs) -> list[str]:
@@ -165,9 +135,9 @@ class Qwen3StateDictAdapter:
         tied = self.model_args.tie_word_embeddings
         # A tied model's own state_dict() carries output.weight as an alias; a hand-built one may not.
         optional = set(self.bias_keys) | ({"output.weight"} if tied else set())
-        _check("our", state_dict, self.shapes, optional)
+        check_state_dict("our", state_dict, self.shapes, optional)
         if tied and "output.weight" in state_dict:
-            if not _same_tensor(state_dict["output.weight"], state_dict["tok_embeddings.weight"]):
+            if not same_tensor(state_dict["output.weight"], state_dict["tok_embeddings.weight"]):
                 raise ValueError("our state dict: 'output.weight' differs from 'tok_embeddings.weight' but "
                                  "tie_word_embeddings=True; the HF checkpoint would silently drop it")
         nonzero_bias = [k for k in self.bias_keys if k in state_dict and bool(state_dict[k].ne(0).any())]
@@ -195,10 +165,10 @@ class Qwen3StateDictAdapter:
         if not tied and "lm_head.weight" not in hf_state_dict:
             raise KeyError("HF state dict: missing key 'lm_head.weight' (config has tie_word_embeddings=false)")
         fused = {i for i in self.moe_layers if f"model.layers.{i}.mlp.experts.gate_up_proj" in hf_state_dict}
-        _check("HF", hf_state_dict, self._hf_shapes(fused), {"lm_head.weight"} if tied else set())
+        check_state_dict("HF", hf_state_dict, self._hf_shapes(fused), {"lm_head.weight"} if tied else set())
         if tied and "lm_head.weight" in hf_state_dict:
             # Some tied checkpoints store lm_head anyway; accept it only if it really is the embedding.
-            if not _same_tensor(hf_state_dict["lm_head.weight"], hf_state_dict["model.embed_tokens.weight"]):
+            if not same_tensor(hf_state_dict["lm_head.weight"], hf_state_dict["model.embed_tokens.weight"]):
                 raise ValueError("HF state dict: 'lm_head.weight' differs from 'model.embed_tokens.weight' but "
                                  "tie_word_embeddings=true")
         out: dict[str, Tensor] = {}
@@ -302,12 +272,6 @@ def hf_config(model_args: Qwen3ModelArgs, dtype: str = "float32", bos_id: int | 
     return cfg
 
 
-def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise KeyError(f"{source}: missing key '{key}'")
-    return cfg[key]
-
-
 def _rope_theta(cfg: dict[str, Any], source: str) -> float:
     """rope_theta from the legacy `rope_theta` / `rope_scaling` keys or the `rope_parameters` dict that
     transformers >= 5 writes; only plain RoPE is supported (Qwen3's long-context YaRN is not)."""
@@ -330,27 +294,27 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwe
         raise ValueError(f"{source}: 'attention_bias' = true is not supported (our Qwen3 has no biases)")
     if cfg.get("use_sliding_window", False):
         raise ValueError(f"{source}: sliding-window attention is not supported")
-    dim = int(_require(cfg, "hidden_size", source))
-    n_heads = int(_require(cfg, "num_attention_heads", source))
+    dim = int(require(cfg, "hidden_size", source))
+    n_heads = int(require(cfg, "num_attention_heads", source))
     moe = None
     if model_type == "qwen3_moe":
         # transformers 5 writes num_local_experts; the published configs say num_experts
         num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
         if num_experts > 0:
-            moe = MoEArgs(num_experts=num_experts, top_k=int(_require(cfg, "num_experts_per_tok", source)),
-                          hidden_dim=int(_require(cfg, "moe_intermediate_size", source)),
+            moe = MoEArgs(num_experts=num_experts, top_k=int(require(cfg, "num_experts_per_tok", source)),
+                          hidden_dim=int(require(cfg, "moe_intermediate_size", source)),
                           route_norm=bool(cfg.get("norm_topk_prob", False)))
     kv = cfg.get("num_key_value_heads")
     try:
         return Qwen3ModelArgs(
             dim=dim,
-            n_layers=int(_require(cfg, "num_hidden_layers", source)),
+            n_layers=int(require(cfg, "num_hidden_layers", source)),
             n_heads=n_heads,
             n_kv_heads=None if kv is None else int(kv),
             head_dim=int(cfg.get("head_dim") or dim // n_heads),
-            vocab_size=int(_require(cfg, "vocab_size", source)),
-            ffn_hidden_dim=int(_require(cfg, "intermediate_size", source)),
-            norm_eps=float(_require(cfg, "rms_norm_eps", source)),
+            vocab_size=int(require(cfg, "vocab_size", source)),
+            ffn_hidden_dim=int(require(cfg, "intermediate_size", source)),
+            norm_eps=float(require(cfg, "rms_norm_eps", source)),
             rope_theta=_rope_theta(cfg, source),
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -360,10 +324,6 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Qwe
         )
     except ValueError as e:  # inconsistent head counts etc., reported against the file
         raise ValueError(f"{source}: {e}") from e
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
 def check_args_match(expected: Qwen3ModelArgs, found: Qwen3ModelArgs, source: str) -> None:
@@ -393,5 +353,5 @@ def check_args_match(expected: Qwen3ModelArgs, found: Qwen3ModelArgs, source: st
             raise ValueError(f"{source}: {name}={got} does not match the model config ({want})")
     for name, want_f, got_f in (("norm_eps", expected.norm_eps, found.norm_eps),
                                 ("rope_theta", expected.rope_theta, found.rope_theta)):
-        if not _close(want_f, got_f):
+        if not close(want_f, got_f):
             raise ValueError(f"{source}: {name}={got_f} does not match the model config ({want_f})")
