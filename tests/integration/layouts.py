@@ -51,6 +51,7 @@ _BLOCK_CAUSAL = (*SHORT_DOCUMENTS, "--model.attn_mask_type", "block_causal")
 # Mixture of experts: a small Qwen3 MoE (8 experts, top-2, auxiliary-loss-free balancing whose expert load is summed
 # over the data ranks after every step, so the routing biases equal one process's).
 _QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_small")
+_EP2 = ("--parallelism.expert_parallel_degree", "2")
 _MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
 # ... with the sequence-level balance loss too, whose gradient is a mean over the global batch's sequences.
 _MOE_AUX = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux")
@@ -166,6 +167,10 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     ("moe_hsdp2x2_full_ac", 4, (*dp(2, 4), *_REPLICATE, "2", "--activation_checkpoint.mode", "full")),
     ("moe_pp2_1f1b", 2, (*dp(8, 1), *pp("1F1B"))),
     ("moe_fsdp2_cp2", 4, (*dp(4, 2), *_CP2)),
+    # expert parallel: each rank holds half (a quarter) of every layer's experts; tokens travel by all-to-all
+    ("moe_fsdp2_ep2_accum", 2, (*dp(2, 2), *_EP2)),
+    ("moe_pp2_fsdp2_ep2", 4, (*dp(4, 2), *pp("1F1B"), *_EP2)),
+    ("moe_fsdp2_cp2_ep4", 4, (*dp(4, 2), *_CP2, "--parallelism.expert_parallel_degree", "4")),
 )] + [Layout(name, nproc, (*overrides, *_MOE_AUX), reference="single_process_moe_aux")
       for name, nproc, overrides in (
     ("moe_aux_fsdp2_accum", 2, dp(2, 2)),

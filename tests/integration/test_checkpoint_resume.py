@@ -268,3 +268,19 @@ def test_moe_resume_under_another_data_parallel_layout(pools, tmp_path):
     assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
     problems = compare(resumed, _from_step(straight, 7))
     assert not problems, problems[:5]
+
+
+def test_moe_resume_into_and_out_of_expert_parallel(pools, tmp_path):
+    """FSDP 2 saved at step 6 -> FSDP 2 + EP 2 (each rank holds half of every layer's experts; saves step 9) ->
+    FSDP 2 again from step 9: expert weights reshard between the expert mesh and FSDP and the curve continues."""
+    straight_dir, ep_dir, back_dir = tmp_path / "fsdp2", tmp_path / "ep2", tmp_path / "back"
+    straight = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), straight_dir)
+    _resume_from(straight_dir, 6, ep_dir)
+    ep = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2), "--parallelism.expert_parallel_degree", "2",
+                                 "--checkpoint.interval", "3"), ep_dir)
+    problems = compare(ep, _from_step(straight, 7))
+    assert not problems, problems[:5]
+    _resume_from(ep_dir, 9, back_dir)
+    back = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), back_dir)
+    problems = compare(back, _from_step(straight, 10))
+    assert not problems, problems[:5]

@@ -213,6 +213,8 @@ def test_script_reports_every_pipeline_stage_and_the_worst(extra, capsys):
     (["--world-size", "2", "--training.stepz", "3"], "training.stepz"),
     (["--world-size", "2", "--device", "cpu", "--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
      "memory estimation of the MoE model qwen3/debugmodel_moe in float32"),
+    (["--world-size", "2", "--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+      "--parallelism.expert_parallel_degree", "2"], "memory estimation with expert parallel is not available yet"),
 ])
 def test_bad_input_is_one_line_error(args, message, capsys):
     code, _, err = _script(args, capsys)

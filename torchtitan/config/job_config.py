@@ -138,7 +138,7 @@ class Parallelism:
     context_parallel_rotate_method: str = "allgather"
     """How context-parallel attention exchanges K/V: allgather (every rank gathers all K/V) | alltoall (not yet)"""
     expert_parallel_degree: int = 1
-    """Expert-parallel degree for MoE models (not available yet)"""
+    """Ranks each MoE layer's experts are spread over (all-to-all); borrows dp_shard x cp, must equal it for now"""
     expert_tensor_parallel_degree: int = 1
     """Tensor-parallel degree inside experts (not available yet)"""
 

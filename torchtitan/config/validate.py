@@ -41,7 +41,6 @@ def _not_yet(key: str, what: str) -> None:
 NOT_YET: dict[str, str] = {
     "parallelism.context_parallel_rotate_method": "torch's rotating context-parallel attention (the all-gather one "
                                                   "is built in: docs/parallelism.md)",
-    "parallelism.expert_parallel_degree": "expert parallel",
     "parallelism.expert_tensor_parallel_degree": "expert tensor parallel",
     "model.converters": "model converters",
     "optimizer.early_step_in_backward": "stepping in backward",
@@ -150,6 +149,23 @@ def _check_parallelism(cfg: JobConfig) -> None:
             _err(f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
     _check_tensor_parallel(cfg)
     _check_context_parallel(cfg, {"training.seq_len": cfg.training.seq_len})
+    _check_expert_parallel(cfg)
+
+
+def _check_expert_parallel(cfg: JobConfig) -> None:
+    """Expert parallel needs MoE layers whose experts divide over the ep ranks; its mesh conditions are
+    ParallelDims's (torchtitan/distributed/parallel_dims.py)."""
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep == 1:
+        return
+    from torchtitan.models.registry import get_model_spec  # lazy: see _check_model
+
+    moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
+    if moe is None:
+        _err(f"parallelism.expert_parallel_degree={ep}: {cfg.model.name}/{cfg.model.flavor} has no MoE layers")
+    if moe.num_experts % ep:
+        _err(f"parallelism.expert_parallel_degree={ep} does not divide the {moe.num_experts} experts of "
+             f"{cfg.model.name}/{cfg.model.flavor}")
 
 
 def _check_context_parallel(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
@@ -208,6 +224,18 @@ def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
 
 def check_resolved(cfg: JobConfig) -> None:
     """Checks of derived values, on a config that torchtitan/config/resolve.py filled in."""
+    p = cfg.parallelism
+    if p.expert_parallel_degree > 1:
+        # Not built yet: FSDP over the ranks expert parallel leaves (efsdp), expert replicas over dp_replicate,
+        # tensor parallel next to expert parallel.
+        ep, shard_cp = p.expert_parallel_degree, p.data_parallel_shard_degree * p.context_parallel_degree
+        for wrong, what in ((ep != shard_cp, f"equal dp_shard x cp = {shard_cp} (sharding experts over the ranks "
+                                             "left over is not available yet)"),
+                            (p.data_parallel_replicate_degree > 1, "go with data_parallel_replicate_degree = 1 "
+                                                                   "for now"),
+                            (p.tensor_parallel_degree > 1, "go with tensor_parallel_degree = 1 for now")):
+            if wrong:
+                _err(f"parallelism.expert_parallel_degree={ep}: must {what}")
     v = cfg.validation
     if v.enable and cfg.parallelism.tensor_parallel_degree > 1:
         _check_tp_divides(cfg, {"validation.seq_len": v.seq_len})

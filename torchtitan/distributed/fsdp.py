@@ -33,6 +33,7 @@ def apply_fsdp(
     param_dtype: str,
     reduce_dtype: str,
     reshard_after_forward: str,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard each transformer block, the embedding, and norm+output as units; the root holds the rest.
 
@@ -42,6 +43,8 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     common = {"mesh": mesh, "mp_policy": mp}
+    if ignored_params:  # parameters another parallelism owns (expert parallel): FSDP neither shards nor casts them
+        common["ignored_params"] = ignored_params
     tied = getattr(model, "output", None) is not None and getattr(model, "tok_embeddings", None) is not None \
         and model.output.weight is model.tok_embeddings.weight
     layers = list(model.layers.values()) if getattr(model, "layers", None) is not None else []

@@ -9,6 +9,8 @@ Derived views, each for exactly one purpose:
 - "dp_shard_cp" (dp_shard x cp): the ranks FSDP shards parameters over
 - "dp_cp"       (dp_replicate x dp_shard x cp): the ranks the loss (token count) is reduced over
 - "dp_replicate": the ranks DDP / HSDP replicate over
+- "ep"          (expert parallel, a second mesh over the same ranks: pp, dp_replicate, efsdp, ep, tp, where
+                efsdp x ep = dp_shard x cp and ep is the inner part): the ranks one layer's experts are spread over
 
 All validation happens in `__post_init__`, i.e. before any process group exists.
 """
@@ -117,6 +119,15 @@ class ParallelDims:
         return self.tp * self.pp
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks of dp_shard x cp that expert parallel leaves over (each holds a replica of the same experts)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -167,6 +178,15 @@ class ParallelDims:
             self._views["dp_shard_cp_tp"] = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
             if self.dp_replicate > 1:
                 self._views["dp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
+        if self.ep > 1:
+            # The same ranks in a second layout: dp_shard x cp split into (efsdp, ep), ep inner, so one layer's
+            # experts are spread over neighbouring ranks. Its process groups are created here, with the rest.
+            from torch.distributed.device_mesh import DeviceMesh
+
+            layout = mesh.mesh.reshape(self.pp, self.dp_replicate, self.efsdp, self.ep, self.tp)
+            self._views["expert_mesh"] = DeviceMesh(device_type, layout,
+                                                    mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+            self._views["ep"] = self._views["expert_mesh"]["ep"]
         self._world_mesh = mesh
         return mesh
 
@@ -177,7 +197,8 @@ class ParallelDims:
         return self._world_mesh
 
     def mesh(self, view: str):
-        """A named view: 'dp', 'dp_shard_cp', 'dp_cp', 'dp_replicate', or a plain mesh dim name."""
+        """A named view: 'dp', 'dp_shard_cp', 'dp_cp', 'dp_replicate', 'ep' (with expert parallel), or a plain mesh
+        dim name."""
         if view in self._views:
             return self._views[view]
         return self.world_mesh[view]

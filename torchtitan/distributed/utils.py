@@ -184,8 +184,13 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], pp_mesh=None) -> t
 def clip_grads_(parameters: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale every gradient by min(1, max_norm / total_norm); max_norm <= 0 leaves them alone."""
     if max_norm > 0:
-        params = [p for p in parameters if p.grad is not None]
-        if params:
+        # One foreach multiply per mesh: DTensor cannot run one op over gradients of different meshes (expert
+        # parallel's experts next to FSDP's parameters).
+        groups: dict[object, list[torch.nn.Parameter]] = {}
+        for p in parameters:
+            if p.grad is not None:
+                groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for params in groups.values():
             # In the gradients' dtype (float32 under FSDP): the foreach multiply then takes its same-dtype path.
             norm = total_norm.to(params[0].grad.dtype)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

@@ -117,6 +117,9 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
 
 def check_estimable(cfg: JobConfig, device_type: str) -> None:
     """Raise ValueError (one line) for what the estimator cannot trace yet."""
+    if cfg.parallelism.expert_parallel_degree > 1:
+        # Its dispatch reads the routing's split sizes, values that fake tensors do not have.
+        raise ValueError("memory estimation with expert parallel is not available yet")
     moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
     if moe is not None and _param_dtype(cfg, device_type) != "bfloat16":
         # torch._grouped_mm's fake (meta) kernel accepts bfloat16 only, though the CPU kernel runs float32.

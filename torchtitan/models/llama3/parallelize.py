@@ -18,6 +18,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
+from torchtitan.distributed.expert_parallel import apply_ep, expert_parameters
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp
@@ -35,6 +36,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
                  block_plan=tp_plan if tp_plan is not None else tp_block_plan())
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
+    if parallel_dims.ep_enabled:
+        apply_ep(model, parallel_dims.mesh("ep"))
     if parallel_dims.cp > 1:
         apply_cp(model, parallel_dims.mesh("cp"))
     ac = job_config.activation_checkpoint
@@ -48,6 +51,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             param_dtype=param_dtype,
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward,
+            # expert parallel's weights are sharded over ep already, and nothing is left over for FSDP (efsdp 1)
+            ignored_params=set(expert_parameters(model)) if parallel_dims.ep_enabled else None,
         )
     if parallel_dims.ddp_enabled and ddp:
         return apply_ddp(model, parallel_dims.mesh("dp_replicate"),

@@ -41,8 +41,12 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [tokens, dim] sorted by expert; tokens_per_expert [experts] (int64, sums to tokens)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        """x [tokens, dim] sorted by expert; tokens_per_expert [experts] (int64, sums to tokens). Under expert
+        parallel the weights are sharded on the expert dimension and this rank computes its own experts only
+        (torchtitan/distributed/expert_parallel.py hands it their rows and counts)."""
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        if w1.dtype != x.dtype:  # weights FSDP does not cast (expert parallel's): compute in the activations' dtype
+            w1, w2, w3 = w1.to(x.dtype), w2.to(x.dtype), w3.to(x.dtype)
         if self.use_grouped_mm:
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = F.silu(_grouped_matmul(x, w1, offsets)) * _grouped_matmul(x, w3, offsets)

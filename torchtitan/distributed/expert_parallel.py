@@ -1,0 +1,93 @@
+"""Expert parallel: the routed experts of every MoE layer are spread over the ep ranks, and tokens travel to the
+rank of their expert and back by all-to-all.
+
+Rank r of an ep group of R ranks holds experts [r E/R, (r+1) E/R) of each layer (the experts' weights become
+DTensors sharded on the expert dimension over the ep mesh; parameter names do not change, so checkpoints
+reshard across ep degrees). The MoE layer (torchtitan/models/moe/moe.py) routes its own tokens and sorts the
+(token, slot) rows by expert as without EP; around its grouped experts this module adds:
+
+    dispatch   the row counts per expert are exchanged (all-to-all of E integers), then the rows themselves
+               (all-to-all with uneven splits: rank s sends rank r the rows of r's experts); the rows received
+               from every source are regrouped by local expert (a stable sort: deterministic)
+    compute    the local experts on their contiguous rows, as without EP
+    combine    the inverse regrouping, then the reverse all-to-all: each rank gets its own rows back, in order
+
+Both all-to-alls are torch's functional collectives with autograd (the backward of one is the other), so the
+gradient of an expert's weights on its rank sums the contributions of every rank's tokens, as one process would;
+data-parallel replicas of an expert (the ranks left over, efsdp) are summed by FSDP as for any parameter.
+The split sizes are read on the host (a device sync per layer), as the uneven all-to-all needs them.
+
+In the trainer (torchtitan/models/llama3/parallelize.py, which the MoE families share) expert parallel comes
+right after tensor parallel; FSDP then leaves the experts' weights alone. For now expert parallel takes all of
+dp_shard x cp (efsdp 1: each expert exists once per data-parallel replica), without dp_replicate or tensor
+parallel (config checks). Gradient norms combine the two meshes (torchtitan/distributed/utils.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchtitan.models.moe import MoE
+
+
+class _Dispatch:
+    """One layer's dispatch and combine over the ep group; holds the routing of the forward between the two."""
+
+    def __init__(self, ep_mesh, num_experts: int) -> None:
+        self.mesh, self.group = ep_mesh, ep_mesh.get_group()
+        self.ranks = ep_mesh.size()
+        self.local_experts = num_experts // self.ranks
+        self.state: tuple | None = None
+
+    def dispatch(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed._functional_collectives as funcol
+
+        rows, counts = args  # this rank's (token, slot) rows sorted by expert, and their count per expert
+        R, L = self.ranks, self.local_experts
+        # counts_in[s, e]: rows rank s sends to this rank's local expert e
+        counts_in = funcol.all_to_all_single(counts.contiguous(), None, None, self.group)
+        counts_in = funcol.wait_tensor(counts_in).view(R, L)
+        send = counts.view(R, L).sum(dim=1).tolist()
+        recv = counts_in.sum(dim=1).tolist()
+        received = funcol.all_to_all_single_autograd(rows.contiguous(), recv, send, self.group)
+        received = funcol.wait_tensor(received)
+        # The received rows come source by source, each source's by expert: regroup them expert by expert.
+        segment = torch.repeat_interleave(torch.arange(R * L, device=rows.device), counts_in.reshape(-1))
+        order = torch.argsort((segment % L) * R + segment // L, stable=True)
+        self.state = (order, send, recv)
+        return received.index_select(0, order), counts_in.sum(dim=0)
+
+    def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        order, send, recv = self.state
+        self.state = None
+        by_source = torch.empty_like(output).index_copy(0, order, output)
+        back = funcol.all_to_all_single_autograd(by_source, send, recv, self.group)
+        return funcol.wait_tensor(back)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' weights of every MoE layer (sharded over ep by apply_ep)."""
+    return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Shard every MoE layer's routed experts of `model` (the model or a pipeline stage, on meta or materialised)
+    over the 1-D `ep_mesh` and route their rows by all-to-all (see the module doc). num_experts must divide by the
+    ep degree."""
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts, num_experts = module.experts, module.args.num_experts
+        if num_experts % ep_mesh.size():
+            raise ValueError(f"expert parallel: {num_experts} experts do not divide over {ep_mesh.size()} ep ranks")
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        router = _Dispatch(ep_mesh, num_experts)
+        experts.register_forward_pre_hook(router.dispatch)
+        experts.register_forward_hook(router.combine)
+
