@@ -171,6 +171,9 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     ("moe_fsdp2_ep2_accum", 2, (*dp(2, 2), *_EP2)),
     ("moe_pp2_fsdp2_ep2", 4, (*dp(4, 2), *pp("1F1B"), *_EP2)),
     ("moe_fsdp2_cp2_ep4", 4, (*dp(4, 2), *_CP2, "--parallelism.expert_parallel_degree", "4")),
+    # FSDP shards the experts again over the ranks EP leaves (efsdp 2), and HSDP replicates them over dp_replicate
+    ("moe_fsdp4_ep2", 4, (*dp(2, 4), *_EP2)),
+    ("moe_hsdp2x2_ep2", 4, (*dp(2, 4), *_REPLICATE, "2", *_EP2)),
 )] + [Layout(name, nproc, (*overrides, *_MOE_AUX), reference="single_process_moe_aux")
       for name, nproc, overrides in (
     ("moe_aux_fsdp2_accum", 2, dp(2, 2)),

@@ -138,7 +138,7 @@ class Parallelism:
     context_parallel_rotate_method: str = "allgather"
     """How context-parallel attention exchanges K/V: allgather (every rank gathers all K/V) | alltoall (not yet)"""
     expert_parallel_degree: int = 1
-    """Ranks each MoE layer's experts are spread over (all-to-all); borrows dp_shard x cp, must equal it for now"""
+    """Ranks each MoE layer's experts are spread over (all-to-all); borrowed from dp_shard x cp, which it divides"""
     expert_tensor_parallel_degree: int = 1
     """Tensor-parallel degree inside experts (not available yet)"""
 

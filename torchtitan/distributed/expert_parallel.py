@@ -18,9 +18,9 @@ data-parallel replicas of an expert (the ranks left over, efsdp) are summed by F
 The split sizes are read on the host (a device sync per layer), as the uneven all-to-all needs them.
 
 In the trainer (torchtitan/models/llama3/parallelize.py, which the MoE families share) expert parallel comes
-right after tensor parallel; FSDP then leaves the experts' weights alone. For now expert parallel takes all of
-dp_shard x cp (efsdp 1: each expert exists once per data-parallel replica), without dp_replicate or tensor
-parallel (config checks). Gradient norms combine the two meshes (torchtitan/distributed/utils.py).
+right after tensor parallel (the two together are refused at config time for now). FSDP then shards the experts
+again over the ranks EP leaves (efsdp, and dp_replicate under HSDP), or leaves them alone when there are none
+(torchtitan/distributed/fsdp.py). Gradient norms and clipping go mesh by mesh (torchtitan/distributed/utils.py).
 """
 
 from __future__ import annotations

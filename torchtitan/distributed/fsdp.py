@@ -34,10 +34,12 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward: str,
     ignored_params: set[nn.Parameter] | None = None,
+    expert_mesh=None,
 ) -> nn.Module:
     """Shard each transformer block, the embedding, and norm+output as units; the root holds the rest.
 
-    `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP. Reductions are forced to plain SUM: gloo has
+    `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP; `expert_mesh` (expert parallel with ranks left over)
+    is where each MoE layer's experts are sharded instead. Reductions are forced to plain SUM: gloo has
     no PREMUL_SUM, and with a divide factor of 1 FSDP would otherwise pick AVG on a 1-rank NCCL group,
     which torch documents as unreliable.
     """
@@ -51,7 +53,13 @@ def apply_fsdp(
     if getattr(model, "tok_embeddings", None) is not None and not tied:
         fully_shard(model.tok_embeddings, reshard_after_forward=_reshard_policy(reshard_after_forward, False), **common)
     for i, block in enumerate(layers):
-        fully_shard(block, reshard_after_forward=_reshard_policy(reshard_after_forward, i == len(layers) - 1), **common)
+        reshard = _reshard_policy(reshard_after_forward, i == len(layers) - 1)
+        experts = getattr(getattr(block, "moe", None), "experts", None)
+        if expert_mesh is not None and experts is not None:
+            # Expert parallel's weights (sharded over ep) get their own unit on the ranks EP leaves over: FSDP
+            # shards them further there, and sums their gradients over those ranks, which hold replicas.
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, **common)
     tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if tail and not tied:
         # norm and output run last in forward and first in backward: resharding them would be a wasted gather.

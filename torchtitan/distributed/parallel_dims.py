@@ -203,6 +203,16 @@ class ParallelDims:
             return self._views[view]
         return self.world_mesh[view]
 
+    def expert_fsdp_mesh(self):
+        """The mesh FSDP shards expert parallel's weights over: the ranks of dp_shard x cp that EP leaves (efsdp),
+        with dp_replicate for HSDP; None when there is no such rank (each expert then exists once)."""
+        if self.efsdp == 1 and self.dp_replicate == 1:
+            return None
+        expert_mesh = self._views["expert_mesh"]
+        if self.dp_replicate > 1:
+            return expert_mesh["dp_replicate", "efsdp"]
+        return expert_mesh["efsdp"]
+
     def fsdp_mesh(self):
         """1-D (dp_shard_cp) mesh for FSDP, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
         if self.hsdp_enabled:

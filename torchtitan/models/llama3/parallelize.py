@@ -51,8 +51,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             param_dtype=param_dtype,
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward,
-            # expert parallel's weights are sharded over ep already, and nothing is left over for FSDP (efsdp 1)
-            ignored_params=set(expert_parameters(model)) if parallel_dims.ep_enabled else None,
+            **_expert_fsdp(model, parallel_dims),
         )
     if parallel_dims.ddp_enabled and ddp:
         return apply_ddp(model, parallel_dims.mesh("dp_replicate"),
@@ -80,3 +79,14 @@ def tp_block_plan() -> dict:
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "feed_forward.w3": ColwiseParallel(),
     }
+
+
+def _expert_fsdp(model: nn.Module, parallel_dims: ParallelDims) -> dict:
+    """How FSDP treats expert parallel's weights (already sharded over ep): sharded again over the ranks EP leaves
+    (efsdp, with dp_replicate), or, when there are none, left alone."""
+    if not parallel_dims.ep_enabled:
+        return {}
+    expert_mesh = parallel_dims.expert_fsdp_mesh()
+    if expert_mesh is None:
+        return {"ignored_params": set(expert_parameters(model))}
+    return {"expert_mesh": expert_mesh}
