@@ -120,11 +120,6 @@ def check_estimable(cfg: JobConfig, device_type: str) -> None:
     if cfg.parallelism.expert_parallel_degree > 1:
         # Its dispatch reads the routing's split sizes, values that fake tensors do not have.
         raise ValueError("memory estimation with expert parallel is not available yet")
-    moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
-    if moe is not None and _param_dtype(cfg, device_type) != "bfloat16":
-        # torch._grouped_mm's fake (meta) kernel accepts bfloat16 only, though the CPU kernel runs float32.
-        raise ValueError(f"memory estimation of the MoE model {cfg.model.name}/{cfg.model.flavor} in float32 (a CPU "
-                         f"run, or training.mixed_precision_param) is not available yet; estimate a GPU device")
 
 
 def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",

@@ -6,27 +6,66 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# torch._grouped_mm wrapped as custom ops: their fake kernels (shapes only) let the memory estimator trace the
+# experts in any dtype (torch's own fake kernel accepts bfloat16 only, though the CPU kernel runs float32), and the
+# backward makes its incoming gradient contiguous (torch's backward rejects stride-0 gradients, e.g. of out.sum()).
+# Rows of x are in expert order: expert e owns rows offsets[e-1]:offsets[e]; w is [experts, out, in].
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's backward rejects
-    stride-0 gradients (measured on torch 2.13, e.g. the gradient of out.sum())."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+@torch.library.custom_op("torchtitan::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[rows, in] x per-expert w[e]^T -> [rows, out]."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+
+@grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("torchtitan::grouped_mm_input_grad", mutates_args=())
+def grouped_mm_input_grad(grad: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """d x = grad [rows, out] x per-expert w[e] -> [rows, in]."""
+    return torch._grouped_mm(grad, w, offs=offsets)
+
+
+@grouped_mm_input_grad.register_fake
+def _(grad: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty((grad.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("torchtitan::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """d w[e] = grad[rows of e]^T x[rows of e] -> [experts, out, in] (zero for an expert without rows)."""
+    return torch._grouped_mm(grad.t(), x, offs=offsets)
+
+
+@grouped_mm_weight_grad.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty((offsets.shape[0], grad.shape[1], x.shape[1]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    x, w, offsets = ctx.saved_tensors
+    grad = grad.contiguous()
+    return grouped_mm_input_grad(grad, w, offsets), grouped_mm_weight_grad(grad, x, offsets), None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of x in expert order (expert e owns rows offsets[e-1]:offsets[e]) times weight[e]^T."""
+    """Rows of x in expert order times weight[e]^T."""
     if torch.is_autocast_enabled(x.device.type):
         # autocast has no rule for _grouped_mm: cast as it would for a matmul (CUDA's kernel takes bfloat16 only)
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
-    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+    return grouped_mm(x, weight, offsets)
 
 
 class GroupedExperts(nn.Module):
