@@ -54,6 +54,7 @@ class Trainer:
         self.device = device
         parallel_dims.build_mesh(self.device.type)
         self.loss_mesh = parallel_dims.mesh("dp_cp")
+        self.token_mesh = parallel_dims.token_mesh()  # MoE routing counts: dp x cp, and tp, which splits their tokens
         self.cp_mesh = parallel_dims.mesh("cp") if parallel_dims.cp > 1 else None
         seed = 0 if cfg.debug.seed is None else cfg.debug.seed
         dist_utils.set_determinism(seed, cfg.debug.deterministic)
@@ -212,7 +213,7 @@ class Trainer:
             should_step=self.guard.should_step,
         )
         if self.moe_layers is not None:  # auxiliary-loss-free balancing, from this step's global expert load
-            self.moe_metrics, self.moe_counts = update_expert_biases(self.moe_layers, self.loss_mesh, self.pp_mesh,
+            self.moe_metrics, self.moe_counts = update_expert_biases(self.moe_layers, self.token_mesh, self.pp_mesh,
                                                                      self.device, self.moe_has_aux)
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm

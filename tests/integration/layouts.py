@@ -174,6 +174,9 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     # FSDP shards the experts again over the ranks EP leaves (efsdp 2), and HSDP replicates them over dp_replicate
     ("moe_fsdp4_ep2", 4, (*dp(2, 4), *_EP2)),
     ("moe_hsdp2x2_ep2", 4, (*dp(2, 4), *_REPLICATE, "2", *_EP2)),
+    # tensor parallel: each tp rank runs the MoE layers on its own sequence shard, FSDP sums their gradients over tp
+    ("moe_tp2_accum", 2, (*dp(4, 1), *_TP2)),
+    ("moe_fsdp2_tp2_ep2", 4, (*dp(4, 2), *_TP2, *_EP2)),
 )] + [Layout(name, nproc, (*overrides, *_MOE_AUX), reference="single_process_moe_aux")
       for name, nproc, overrides in (
     ("moe_aux_fsdp2_accum", 2, dp(2, 2)),

@@ -588,8 +588,9 @@ INVALID_VALUES = [
     (["--profiling.save_traces_folder", ""], "profiling.save_traces_folder"),
     (["--profiling.save_traces_folder", "/tmp/traces"], "profiling.save_traces_folder"),
     (["--profiling.save_traces_folder", "../traces"], "profiling.save_traces_folder"),
-    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.tensor_parallel_degree", "2"],
-     "parallelism.tensor_parallel_degree"),
+    # tensor parallel splits a sequence's tokens over tp for the MoE layers: no per-sequence balance loss there
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux", "--parallelism.tensor_parallel_degree",
+      "2"], "parallelism.tensor_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),  # llama has no MoE
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3"],
      "parallelism.expert_parallel_degree"),

@@ -276,17 +276,21 @@ def test_moe_trains_and_gradients_reach_router_and_experts() -> None:
 # ----------------------------------------------------------------------------- parallelize
 
 
-def test_tensor_parallel_of_moe_blocks_is_refused() -> None:
-    """Dense Qwen3 takes tensor parallel (parity layouts qwen3_tp2_*); MoE blocks have no plan yet."""
-    from torchtitan.config.job_config import JobConfig
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+def test_moe_blocks_run_their_moe_layer_on_the_sequence_shard_under_tensor_parallel() -> None:
+    """An MoE block's plan has no MLP entries and one for the MoE layer (its tokens stay split over tp, parity
+    layouts moe_tp2_accum and moe_fsdp2_tp2_ep2); a dense block's keeps the column/row-wise MLP."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
+    from torchtitan.models.qwen3.parallelize import qwen3_tp_block_plan
+
     with torch.device("meta"):
-        model = Qwen3Transformer(qwen3_flavors["debugmodel_moe"])
-    with pytest.raises(NotImplementedError, match="tensor parallel for qwen3 MoE blocks"):
-        parallelize_qwen3(model, pd, JobConfig(), "float32")
+        moe_block = Qwen3Transformer(qwen3_flavors["debugmodel_moe"]).layers["0"]
+        dense_block = Qwen3Transformer(qwen3_flavors["debugmodel"]).layers["0"]
+    moe_plan, dense_plan = qwen3_tp_block_plan(moe_block), qwen3_tp_block_plan(dense_block)
+    assert isinstance(moe_plan["moe"], PrepareModuleInputOutput)
+    assert not any(k.startswith("feed_forward") for k in moe_plan)
+    assert "feed_forward.w1" in dense_plan and "moe" not in dense_plan
+    assert {"attention.q_norm", "attention.k_norm"} <= moe_plan.keys() & dense_plan.keys()
 
 
 _FSDP_ARGS = dataclasses.replace(qwen3_flavors["debugmodel_moe"], dim=64, head_dim=16, n_heads=4, n_kv_heads=2,

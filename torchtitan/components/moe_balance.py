@@ -1,9 +1,10 @@
 """Auxiliary-loss-free load balancing (DeepSeek-V3) for every MoE layer of this rank's model parts.
 
 After each optimizer step: the routing counts of the step's training forwards (all micro-batches) are summed over
-the data ranks (dp x cp: the loss mesh), so every rank sees the global load, the same as one process would; then
-each expert's bias moves by load_balance_coeff towards the mean load (up when it is below the mean, down when
-above), and the counts restart. The bias only changes which experts tokens select, not their weights
+the ranks that route different tokens (dp x cp, and tp, which splits the MoE layers' tokens:
+ParallelDims.token_mesh), so every rank sees the global load, the same as one process would; then each expert's
+bias moves by load_balance_coeff towards the mean load (up when it is below the mean, down when above), and the
+counts restart. The bias only changes which experts tokens select, not their weights
 (torchtitan/models/moe/router.py).
 """
 

@@ -214,9 +214,12 @@ def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     if not spec.supports_tensor_parallel:
         _err(f"parallelism.tensor_parallel_degree={tp}: model {cfg.model.name} has no tensor-parallel plan yet")
     model_args = spec.flavors[cfg.model.flavor]
-    if getattr(model_args, "moe", None) is not None:
-        _err(f"parallelism.tensor_parallel_degree={tp}: {cfg.model.name}/{cfg.model.flavor} has MoE blocks, which "
-             "have no tensor-parallel plan yet")
+    moe = getattr(model_args, "moe", None)
+    if moe is not None and moe.aux_loss_coeff > 0:
+        # Tensor parallel splits each sequence's tokens over tp for the MoE layers: the per-sequence load and scores
+        # would need sums over the tp ranks.
+        _err(f"parallelism.tensor_parallel_degree={tp}: {cfg.model.name}/{cfg.model.flavor} has a sequence-level MoE "
+             "balance loss (aux_loss_coeff), not available with tensor parallel yet")
     errors = tp_divisibility_errors(model_args, tp, seq_lens)
     if errors:
         _err(f"parallelism.tensor_parallel_degree={tp} with model {cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
@@ -224,12 +227,6 @@ def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
 
 def check_resolved(cfg: JobConfig) -> None:
     """Checks of derived values, on a config that torchtitan/config/resolve.py filled in."""
-    p = cfg.parallelism
-    if p.expert_parallel_degree > 1 and p.tensor_parallel_degree > 1:
-        # Not built yet: the experts' weights would need a plan for tensor parallel next to expert parallel. (Today
-        # every MoE model already refuses tensor parallel in _check_tp_divides; this guards the day one does not.)
-        _err(f"parallelism.expert_parallel_degree={p.expert_parallel_degree}: not available with "
-             f"tensor_parallel_degree={p.tensor_parallel_degree} yet")
     v = cfg.validation
     if v.enable and cfg.parallelism.tensor_parallel_degree > 1:
         _check_tp_divides(cfg, {"validation.seq_len": v.seq_len})

@@ -18,8 +18,9 @@ data-parallel replicas of an expert (the ranks left over, efsdp) are summed by F
 The split sizes are read on the host (a device sync per layer), as the uneven all-to-all needs them.
 
 In the trainer (torchtitan/models/llama3/parallelize.py, which the MoE families share) expert parallel comes
-right after tensor parallel (the two together are refused at config time for now). FSDP then shards the experts
-again over the ranks EP leaves (efsdp, and dp_replicate under HSDP), or leaves them alone when there are none
+right after tensor parallel, which leaves the MoE layers whole and splits their tokens over tp (the ep group of a
+rank is the ranks of its tp index). FSDP then shards the experts again over the ranks that hold the same experts
+(efsdp x tp, and dp_replicate under HSDP), or leaves them alone when there are none
 (torchtitan/distributed/fsdp.py). Gradient norms and clipping go mesh by mesh (torchtitan/distributed/utils.py).
 """
 

@@ -35,13 +35,14 @@ def apply_fsdp(
     reshard_after_forward: str,
     ignored_params: set[nn.Parameter] | None = None,
     expert_mesh=None,
+    moe_mesh=None,
 ) -> nn.Module:
     """Shard each transformer block, the embedding, and norm+output as units; the root holds the rest.
 
     `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP; `expert_mesh` (expert parallel with ranks left over)
-    is where each MoE layer's experts are sharded instead. Reductions are forced to plain SUM: gloo has
-    no PREMUL_SUM, and with a divide factor of 1 FSDP would otherwise pick AVG on a 1-rank NCCL group,
-    which torch documents as unreliable.
+    is where each MoE layer's experts are sharded instead, and `moe_mesh` (tensor parallel) where the rest of each
+    MoE layer is (see `_shard_moe`). Reductions are forced to plain SUM: gloo has no PREMUL_SUM, and with a divide
+    factor of 1 FSDP would otherwise pick AVG on a 1-rank NCCL group, which torch documents as unreliable.
     """
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
     common = {"mesh": mesh, "mp_policy": mp}
@@ -54,11 +55,7 @@ def apply_fsdp(
         fully_shard(model.tok_embeddings, reshard_after_forward=_reshard_policy(reshard_after_forward, False), **common)
     for i, block in enumerate(layers):
         reshard = _reshard_policy(reshard_after_forward, i == len(layers) - 1)
-        experts = getattr(getattr(block, "moe", None), "experts", None)
-        if expert_mesh is not None and experts is not None:
-            # Expert parallel's weights (sharded over ep) get their own unit on the ranks EP leaves over: FSDP
-            # shards them further there, and sums their gradients over those ranks, which hold replicas.
-            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        _shard_moe(block, expert_mesh, moe_mesh, mp, reshard, ignored_params)
         fully_shard(block, reshard_after_forward=reshard, **common)
     tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if tail and not tied:
@@ -66,16 +63,53 @@ def apply_fsdp(
         fully_shard(tail, reshard_after_forward=reshard_after_forward == "always", **common)
     # Tied embedding/output (and anything left) live in the root unit.
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **common)
+    _sum_reductions(model, mesh.device_type)
+    logger.info(f"applied {'HSDP' if mesh.ndim == 2 else 'FSDP'} over mesh {tuple(mesh.mesh.shape)}")
+    return model
+
+
+def _shard_moe(block: nn.Module, expert_mesh, moe_mesh, mp: MixedPrecisionPolicy, reshard: bool,
+               ignored_params: set[nn.Parameter] | None) -> None:
+    """Units of their own, inside the block's, for a block's MoE layer when its ranks differ from the block's.
+
+    Expert parallel's weights (sharded over ep) go on `expert_mesh`, the ranks that hold replicas of the same
+    experts (efsdp, x tp, x dp_replicate): FSDP shards them further there and sums their gradients over them. Under
+    tensor parallel every tp rank runs the MoE layer on its own tokens (torchtitan/distributed/tensor_parallel.py),
+    so the layer's other parameters go on `moe_mesh` (dp_shard x cp x tp), whose reduce-scatter sums over tp too."""
+    moe = getattr(block, "moe", None)
+    if moe is None:
+        return
+    if expert_mesh is not None:
+        fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if moe_mesh is not None:
+        fully_shard(moe, mesh=moe_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                    **({"ignored_params": ignored_params} if ignored_params else {}))
+
+
+def apply_moe_fsdp(model: nn.Module, moe_mesh, *, reduce_dtype: str, reshard_after_forward: str,
+                   ignored_params: set[nn.Parameter] | None = None, expert_mesh=None) -> nn.Module:
+    """Tensor parallel without data parallel: only the MoE layers get FSDP units (`_shard_moe`), for the sum of
+    their gradients over tp. The rest of the model stays unwrapped, and so does its precision: parameters stay
+    float32 here, as everywhere autocast does mixed precision."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=_DTYPES[reduce_dtype])
+    layers = list(model.layers.values()) if getattr(model, "layers", None) is not None else []
+    for i, block in enumerate(layers):
+        _shard_moe(block, expert_mesh, moe_mesh, mp, _reshard_policy(reshard_after_forward, i == len(layers) - 1),
+                   ignored_params)
+    _sum_reductions(model, moe_mesh.device_type)
+    logger.info(f"applied FSDP to the MoE layers over {moe_mesh.size()} tensor-parallel ranks")
+    return model
+
+
+def _sum_reductions(model: nn.Module, device_type: str) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
-            elif mesh.device_type == "cpu":
+            elif device_type == "cpu":
                 # without the switch FSDP would issue PREMUL_SUM, which gloo rejects; NCCL supports it
                 raise RuntimeError("this torch version cannot force SUM reductions in FSDP, which gloo needs")
-    logger.info(f"applied {'HSDP' if mesh.ndim == 2 else 'FSDP'} over mesh {tuple(mesh.mesh.shape)}")
-    return model
 
 
 def _sum_allreduce_hook(state: tuple, bucket):

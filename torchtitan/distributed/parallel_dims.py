@@ -9,8 +9,11 @@ Derived views, each for exactly one purpose:
 - "dp_shard_cp" (dp_shard x cp): the ranks FSDP shards parameters over
 - "dp_cp"       (dp_replicate x dp_shard x cp): the ranks the loss (token count) is reduced over
 - "dp_replicate": the ranks DDP / HSDP replicate over
-- "ep"          (expert parallel, a second mesh over the same ranks: pp, dp_replicate, efsdp, ep, tp, where
+- "ep"          (expert parallel, a second mesh over the same ranks: pp, dp_replicate, efsdp, tp, ep, where
                 efsdp x ep = dp_shard x cp and ep is the inner part): the ranks one layer's experts are spread over
+- with tensor parallel, MoE layers split their tokens over tp (torchtitan/distributed/tensor_parallel.py), so tp
+  ranks are data-parallel ranks for them: "dp_cp_tp" (the ranks whose routing counts are summed), the MoE FSDP mesh
+  (dp_shard x cp x tp) and the expert FSDP mesh (efsdp x tp)
 
 All validation happens in `__post_init__`, i.e. before any process group exists.
 """
@@ -177,16 +180,23 @@ class ParallelDims:
             # dims (the gradient norm) in one all-reduce instead of one per dim.
             self._views["dp_shard_cp_tp"] = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
             if self.dp_replicate > 1:
-                self._views["dp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
+                self._views["dp_cp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
+            else:
+                self._views["dp_cp_tp"] = self._views["dp_shard_cp_tp"]
         if self.ep > 1:
             # The same ranks in a second layout: dp_shard x cp split into (efsdp, ep), ep inner, so one layer's
-            # experts are spread over neighbouring ranks. Its process groups are created here, with the rest.
+            # experts are spread over the nearest ranks of the same tp index. ep is listed last (the groups are the
+            # same): FSDP puts its mesh dimension before ep's in an expert weight's 2-D mesh, and DTensor merges
+            # the two dimensions of a reduction only when they come in the mesh's order. Its process groups are
+            # created here, with the rest.
             from torch.distributed.device_mesh import DeviceMesh
 
-            layout = mesh.mesh.reshape(self.pp, self.dp_replicate, self.efsdp, self.ep, self.tp)
-            self._views["expert_mesh"] = DeviceMesh(device_type, layout,
-                                                    mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+            layout = mesh.mesh.reshape(self.pp, self.dp_replicate, self.efsdp, self.ep, self.tp).transpose(3, 4)
+            self._views["expert_mesh"] = DeviceMesh(device_type, layout.contiguous(),
+                                                    mesh_dim_names=("pp", "dp_replicate", "efsdp", "tp", "ep"))
             self._views["ep"] = self._views["expert_mesh"]["ep"]
+            if self.tp > 1:
+                self._views["efsdp_tp"] = self._views["expert_mesh"]["efsdp", "tp"]._flatten("efsdp_tp")
         self._world_mesh = mesh
         return mesh
 
@@ -204,14 +214,31 @@ class ParallelDims:
         return self.world_mesh[view]
 
     def expert_fsdp_mesh(self):
-        """The mesh FSDP shards expert parallel's weights over: the ranks of dp_shard x cp that EP leaves (efsdp),
-        with dp_replicate for HSDP; None when there is no such rank (each expert then exists once)."""
-        if self.efsdp == 1 and self.dp_replicate == 1:
+        """The mesh FSDP shards expert parallel's weights over: the ranks that hold the same experts, i.e. those of
+        dp_shard x cp that EP leaves (efsdp), times tp (tensor parallel splits the MoE layers' tokens, not their
+        experts), with dp_replicate for HSDP; None when there is no such rank (each expert then exists once)."""
+        if self.efsdp == 1 and self.dp_replicate == 1 and self.tp == 1:
             return None
         expert_mesh = self._views["expert_mesh"]
+        inner = "efsdp_tp" if self.tp > 1 else "efsdp"
         if self.dp_replicate > 1:
-            return expert_mesh["dp_replicate", "efsdp"]
-        return expert_mesh["efsdp"]
+            return expert_mesh["dp_replicate", inner]
+        return expert_mesh[inner]
+
+    def moe_fsdp_mesh(self):
+        """With tensor parallel: the mesh FSDP shards the MoE layers' other parameters over (router, shared experts,
+        and the routed experts without expert parallel). Each tp rank runs them on its own S / tp tokens, so their
+        gradients are sums over dp_shard x cp x tp (with dp_replicate for HSDP). None without tensor parallel."""
+        if self.tp == 1:
+            return None
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard_cp_tp"]
+        return self._views["dp_shard_cp_tp"]
+
+    def token_mesh(self):
+        """The ranks whose MoE layers route different tokens (their routing counts are summed over it): dp x cp,
+        and tp with tensor parallel (which splits each MoE layer's tokens over tp)."""
+        return self._views["dp_cp_tp"] if self.tp > 1 else self._views["dp_cp"]
 
     def fsdp_mesh(self):
         """1-D (dp_shard_cp) mesh for FSDP, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""

@@ -14,12 +14,20 @@ reduce-scattered to Shard(1)), the final norm is sequence parallel and the outpu
 the vocabulary. With loss parallel the logits stay vocab-sharded and cross-entropy reduces over the tp mesh
 (max and sum-exp), so the [B, S, vocab] logits are never gathered; without it they are gathered (Replicate).
 
+MoE layers (`moe`, in place of `feed_forward`) are not sharded: each tp rank runs the whole layer (router, experts,
+shared experts) on its own S/tp tokens of the sequence-sharded stream, with no communication at all over tp
+(`moe_token_split`). For those parameters the tp ranks are therefore data-parallel ranks: their gradients are sums
+over tp, which FSDP does by sharding them over dp_shard x cp x tp (torchtitan/distributed/fsdp.py,
+ParallelDims.moe_fsdp_mesh), and the routing counts for load balancing are summed over tp too. Expert parallel
+composes as without TP: the ranks of one ep group share a tp index and exchange their own tokens.
+
 The model code is unchanged: `Attention` reads its local head count from the tensors.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
@@ -28,6 +36,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -64,11 +74,22 @@ def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> lis
     return errors
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, block_plan: dict) -> nn.Module:
+def moe_token_split() -> ParallelStyle:
+    """The plan of an MoE layer under tensor parallel (see the module doc): its input, the Shard(1) residual stream,
+    enters as this rank's local S/tp tokens, and its output leaves as the same Shard(1) DTensor; both conversions
+    are free (no communication), and their backwards hand the gradient shard through unchanged."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+        output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False,
+    )  # fmt: skip
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
+             block_plan: dict | Callable[[nn.Module], dict]) -> nn.Module:
     """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` in place, following the layout above: the
     modules every family names alike (tok_embeddings, norm, output) here, each block by `block_plan` (module name
-    within the block -> ParallelStyle), which the model's own parallelize function supplies
-    (torchtitan/models/llama3/parallelize.py)."""
+    within the block -> ParallelStyle, or a function of the block that returns it, for models whose blocks differ),
+    which the model's own parallelize function supplies (torchtitan/models/llama3/parallelize.py)."""
     tied = _is_tied(model)
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -95,7 +116,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, block_plan: dict
         # DTensor serves both; parallelize_module replaced it twice, so restore the single shared parameter.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, block_plan(block) if callable(block_plan) else block_plan)
     # The sequence-sharded embedding output is a view of a DTensor's local tensor, and FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. The blocks only use out-of-place residual adds
     # (`h = x + ...`), so the warning describes nothing that can happen here.

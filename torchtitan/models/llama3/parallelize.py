@@ -5,6 +5,8 @@ cuts the stages before this runs (torchtitan/components/model_parts.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -19,21 +21,22 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep, expert_parameters
-from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
+from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp, apply_moe_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp
+from torchtitan.distributed.tensor_parallel import apply_tp, enable_async_tp, moe_token_split
 
 
 def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                      param_dtype: str, *, ddp: bool = True, tp_plan: dict | None = None) -> nn.Module:
+                      param_dtype: str, *, ddp: bool = True,
+                      tp_plan: Callable[[nn.Module], dict] | None = None) -> nn.Module:
     """`model` is the whole model or one pipeline stage of it (modules outside the stage are None / absent).
     `ddp=False` leaves DDP out (the memory estimator accounts for its buckets itself). `tp_plan`: the block plan
-    of a family that shares this order but not Llama's block (default `tp_block_plan()`)."""
+    (a function of the block) of a family that shares this order but not Llama's block (default `tp_block_plan`)."""
     p = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.mesh("tp")
         apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled(p.disable_loss_parallel),
-                 block_plan=tp_plan if tp_plan is not None else tp_block_plan())
+                 block_plan=tp_plan if tp_plan is not None else tp_block_plan)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if parallel_dims.ep_enabled:
@@ -51,6 +54,16 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
             param_dtype=param_dtype,
             reduce_dtype=job_config.training.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward,
+            moe_mesh=parallel_dims.moe_fsdp_mesh(),
+            **_expert_fsdp(model, parallel_dims),
+        )
+    if parallel_dims.tp_enabled and expert_parameters(model):
+        # Tensor parallel alone (no data-parallel wrapper) still needs the MoE layers' gradients summed over tp.
+        return apply_moe_fsdp(
+            model,
+            parallel_dims.moe_fsdp_mesh(),
+            reduce_dtype=job_config.training.mixed_precision_reduce,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
             **_expert_fsdp(model, parallel_dims),
         )
     if parallel_dims.ddp_enabled and ddp:
@@ -59,11 +72,12 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
     return model
 
 
-def tp_block_plan() -> dict:
+def tp_block_plan(block: nn.Module | None = None) -> dict:
     """Tensor parallel inside a block (torchtitan/distributed/tensor_parallel.py describes the layout): norms
     sequence parallel, attention and MLP inputs gathered on the sequence, q/k/v and w1/w3 column-wise, wo and w2
-    row-wise with a reduce-scatter back to the sequence-sharded residual stream."""
-    return {
+    row-wise with a reduce-scatter back to the sequence-sharded residual stream. A block with an MoE layer instead
+    of the MLP (`block.moe`) runs it on its own sequence shard (`moe_token_split`)."""
+    plan = {
         "attention_norm": SequenceParallel(),
         # freqs_cis and document_ids (the second and third inputs) are plain tensors of the whole sequence, the same
         # on every tp rank: leave them alone.
@@ -74,6 +88,11 @@ def tp_block_plan() -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "ffn_norm": SequenceParallel(),
+    }
+    if getattr(block, "moe", None) is not None:
+        return {**plan, "moe": moe_token_split()}
+    return {
+        **plan,
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
