@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.config.errors import ConfigError  # noqa: E402
 from torchtitan.config.manager import load_config  # noqa: E402
-from torchtitan.estimation.engine import check_estimable, estimate  # noqa: E402
+from torchtitan.estimation.engine import estimate  # noqa: E402
 from torchtitan.estimation.report import (  # noqa: E402
     DEFAULT_GPU_RESERVE_GIB,
     analytic,
@@ -83,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         target = "cpu" if opts.device.lower() == "cpu" else "cuda"
         capacity = _host_memory_gib() if target == "cpu" and opts.memory_gib is None else \
             device_capacity_gib(opts.device, opts.memory_gib)
-        check_estimable(cfg, target)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -592,6 +592,7 @@ INVALID_VALUES = [
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux", "--parallelism.tensor_parallel_degree",
       "2"], "parallelism.tensor_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),  # llama has no MoE
+    (["--memory_estimation.expert_load_factor", "0.9"], "memory_estimation.expert_load_factor"),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3"],
      "parallelism.expert_parallel_degree"),
 ]

@@ -271,6 +271,8 @@ class MemoryEstimation:
     """Print rank 0's estimated peak memory for this layout and exit instead of training (no process group)"""
     disable_fake_mode: bool = False
     """Estimate with real tensors instead of fake ones (not available yet)"""
+    expert_load_factor: float = 1.25
+    """Expert parallel: rows each rank's experts receive, relative to perfectly balanced routing (its headroom)"""
 
 
 @dataclass

@@ -17,6 +17,11 @@ gradient of an expert's weights on its rank sums the contributions of every rank
 data-parallel replicas of an expert (the ranks left over, efsdp) are summed by FSDP as for any parameter.
 The split sizes are read on the host (a device sync per layer), as the uneven all-to-all needs them.
 
+The memory estimator (torchtitan/estimation/) runs this code on fake tensors, which have shapes but no values: there
+the splits are assumed, each rank sending 1/R of its rows to every rank and receiving `load_factor` times a
+balanced share (memory_estimation.expert_load_factor, the headroom for routing imbalance), so the all-to-all
+buffers and the experts' activations are those of a rank whose experts are that much busier than average.
+
 In the trainer (torchtitan/models/llama3/parallelize.py, which the MoE families share) expert parallel comes
 right after tensor parallel, which leaves the MoE layers whole and splits their tokens over tp (the ep group of a
 rank is the ranks of its tp index). FSDP then shards the experts again over the ranks that hold the same experts
@@ -26,8 +31,11 @@ rank is the ranks of its tp index). FSDP then shards the experts again over the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan.models.moe import MoE
@@ -36,10 +44,11 @@ from torchtitan.models.moe import MoE
 class _Dispatch:
     """One layer's dispatch and combine over the ep group; holds the routing of the forward between the two."""
 
-    def __init__(self, ep_mesh, num_experts: int) -> None:
+    def __init__(self, ep_mesh, num_experts: int, load_factor: float) -> None:
         self.mesh, self.group = ep_mesh, ep_mesh.get_group()
         self.ranks = ep_mesh.size()
         self.local_experts = num_experts // self.ranks
+        self.load_factor = load_factor
         self.state: tuple | None = None
 
     def dispatch(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +56,8 @@ class _Dispatch:
 
         rows, counts = args  # this rank's (token, slot) rows sorted by expert, and their count per expert
         R, L = self.ranks, self.local_experts
+        if is_fake(counts):
+            return self._assumed_dispatch(rows)
         # counts_in[s, e]: rows rank s sends to this rank's local expert e
         counts_in = funcol.all_to_all_single(counts.contiguous(), None, None, self.group)
         counts_in = funcol.wait_tensor(counts_in).view(R, L)
@@ -59,6 +70,19 @@ class _Dispatch:
         order = torch.argsort((segment % L) * R + segment // L, stable=True)
         self.state = (order, send, recv)
         return received.index_select(0, order), counts_in.sum(dim=0)
+
+    def _assumed_dispatch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The memory estimator's dispatch (module doc): the same collectives and buffers with assumed splits."""
+        import torch.distributed._functional_collectives as funcol
+
+        R, L, n = self.ranks, self.local_experts, rows.shape[0]
+        send = [n // R + (r < n % R) for r in range(R)]
+        recv = [math.ceil(self.load_factor * n / R)] * R
+        received = funcol.wait_tensor(funcol.all_to_all_single_autograd(rows.contiguous(), recv, send, self.group))
+        total = sum(recv)
+        self.state = (torch.arange(total, device=rows.device), send, recv)
+        per_expert = torch.full((L,), total // L, dtype=torch.int64, device=rows.device)
+        return received.index_select(0, self.state[0]), per_expert
 
     def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         import torch.distributed._functional_collectives as funcol
@@ -75,10 +99,10 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
+def apply_ep(model: nn.Module, ep_mesh, load_factor: float = 1.0) -> None:
     """Shard every MoE layer's routed experts of `model` (the model or a pipeline stage, on meta or materialised)
     over the 1-D `ep_mesh` and route their rows by all-to-all (see the module doc). num_experts must divide by the
-    ep degree."""
+    ep degree. `load_factor` only matters to the memory estimator's fake tensors (module doc)."""
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
@@ -88,7 +112,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        router = _Dispatch(ep_mesh, num_experts)
+        router = _Dispatch(ep_mesh, num_experts, load_factor)
         experts.register_forward_pre_hook(router.dispatch)
         experts.register_forward_hook(router.combine)
 

@@ -115,13 +115,6 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
     return parts, model_args, loss_parallel
 
 
-def check_estimable(cfg: JobConfig, device_type: str) -> None:
-    """Raise ValueError (one line) for what the estimator cannot trace yet."""
-    if cfg.parallelism.expert_parallel_degree > 1:
-        # Its dispatch reads the routing's split sizes, values that fake tensors do not have.
-        raise ValueError("memory estimation with expert parallel is not available yet")
-
-
 def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",
                   steps: int = 1, n_layers: int | None = None) -> Estimate:
     """Peak memory of `rank` in a job of `world_size` processes; `device_type` is the target (cuda or cpu).
@@ -131,7 +124,6 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
-    check_estimable(cfg, device_type)
     cfg = copy.deepcopy(cfg)
     resolved = resolve(cfg, world_size)
     parallel_dims, grad_accum = resolved.parallel_dims, resolved.grad_accum_steps

@@ -40,7 +40,7 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     if parallel_dims.ep_enabled:
-        apply_ep(model, parallel_dims.mesh("ep"))
+        apply_ep(model, parallel_dims.mesh("ep"), job_config.memory_estimation.expert_load_factor)
     if parallel_dims.cp > 1:
         apply_cp(model, parallel_dims.mesh("cp"))
     ac = job_config.activation_checkpoint
