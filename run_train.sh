@@ -3,8 +3,9 @@
 #   NGPU         processes per node (default: the GPU count, or 2 CPU processes where there is no GPU)
 #   CONFIG_FILE  TOML file (default train_configs/debug_model.toml; a --job.config_file argument replaces it)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
-#   TORCHRUN_ARGS  replaces the single-node rendezvous arguments, e.g. for multi-node:
-#                "--nnodes 4 --node_rank 0 --rdzv_backend c10d --rdzv_endpoint host:29500"
+#   TORCHRUN_ARGS  replaces the single-node rendezvous arguments, e.g. for multi-node (the same on every node):
+#                "--nnodes 4 --rdzv_backend c10d --rdzv_endpoint host:29500 --rdzv_id myjob"
+#                (scripts/multinode_trainer.slurm sets it from a Slurm allocation; see docs/multinode.md)
 # Extra arguments are config overrides: ./run_train.sh --training.steps 100
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -1,14 +1,22 @@
 """torchtitan/launch.py: the one interpreter run_train.sh starts builds torchrun's command line from NGPU,
-CONFIG_FILE, LOG_RANK and TORCHRUN_ARGS, and a missing package stops it with one line."""
+CONFIG_FILE, LOG_RANK and TORCHRUN_ARGS, and a missing package stops it with one line. And
+scripts/multinode_trainer.slurm, run under a fake Slurm (scontrol and srun on PATH), turns the allocation into
+those variables."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from torch.distributed.run import parse_args
 
 from torchtitan.launch import DEFAULT_CONFIG_FILE, main, torchrun_argv
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
 
 
 def _parsed(argv: list[str]):
@@ -51,3 +59,99 @@ def test_a_missing_package_is_one_line_before_torchrun(monkeypatch):
         main([])
     message = str(exit_info.value.code)
     assert message.startswith("[launch]") and "cannot import tiktoken" in message and "\n" not in message
+
+
+# A fake Slurm: scontrol expands only the node list the test gives it (into FAKE_HOSTS), srun records its argv and
+# environment instead of starting anything.
+_FAKE_SCONTROL = """#!/bin/bash
+[ "$1 $2 $3" = "show hostnames $EXPECTED_NODELIST" ] || { echo "unexpected: scontrol $*" >&2; exit 2; }
+for h in $FAKE_HOSTS; do echo "$h"; done
+"""
+_FAKE_SRUN = """#!/bin/bash
+printf '%s\\0' "$@" > "$SRUN_RECORD.argv"
+env -0 > "$SRUN_RECORD.env"
+"""
+
+
+def _sbatch(tmp_path: Path, args=(), hosts="gpu-07 gpu-08", **env_vars: str):
+    """Run the Slurm script as sbatch would on the first node (from the repository root): the completed process
+    and what srun received (argv, environment), or None where srun was never reached."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("scontrol", _FAKE_SCONTROL), ("srun", _FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    record = tmp_path / "srun"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_RECORD": str(record), "FAKE_HOSTS": hosts,
+           "EXPECTED_NODELIST": env_vars.get("SLURM_JOB_NODELIST", ""), **env_vars}
+    proc = subprocess.run(["bash", str(SLURM_SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=30)
+    if not record.with_suffix(".argv").exists():
+        return proc, None, None
+    argv = record.with_suffix(".argv").read_text().split("\0")[:-1]
+    srun_env = dict(kv.split("=", 1) for kv in record.with_suffix(".env").read_text().split("\0") if "=" in kv)
+    return proc, argv, srun_env
+
+
+ALLOCATION = {"SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+
+
+def test_slurm_script_takes_the_rendezvous_from_the_allocation(tmp_path):
+    proc, argv, srun_env = _sbatch(tmp_path, ["--training.steps", "10"], **ALLOCATION, SLURM_GPUS_ON_NODE="8",
+                                   CONFIG_FILE="train_configs/llama3_8b.toml", LOG_RANK="0,8")
+    assert proc.returncode == 0, proc.stderr
+    # one launcher per node, the config overrides passed through untouched
+    assert argv == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "./run_train.sh", "--training.steps", "10"]
+    # what each node's launcher then hands torchrun, read by torchrun's own parser
+    args = _parsed(torchrun_argv(argv[3:], srun_env, gpu_count=8))
+    assert not args.standalone
+    assert (args.nnodes, args.rdzv_id, args.rdzv_backend, args.rdzv_endpoint) == ("2", "4242", "c10d",
+                                                                                  "gpu-07:29500")
+    assert args.nproc_per_node == "8" and args.local_ranks_filter == "0,8"
+    assert args.training_script_args == ["--job.config_file", "train_configs/llama3_8b.toml", "--training.steps",
+                                         "10"]
+    assert "gpu-07:29500" in proc.stderr  # the job log says where the nodes meet
+
+
+def test_slurm_script_overrides_port_host_ngpu_and_cpus(tmp_path):
+    proc, argv, srun_env = _sbatch(tmp_path, **ALLOCATION, SLURM_GPUS_ON_NODE="8", NGPU="4", RDZV_PORT="31000",
+                                   RDZV_HOST="10.0.0.7", SLURM_CPUS_PER_TASK="32",
+                                   TORCHRUN_EXTRA_ARGS="--rdzv_conf join_timeout=1800 --max-restarts 2",
+                                   TORCHRUN_ARGS="--standalone")  # an outside value is replaced
+    assert proc.returncode == 0, proc.stderr
+    assert argv == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=32", "./run_train.sh"]
+    args = _parsed(torchrun_argv([], srun_env, gpu_count=8))
+    assert not args.standalone and args.rdzv_endpoint == "10.0.0.7:31000" and args.nproc_per_node == "4"
+    assert args.rdzv_conf == "join_timeout=1800" and args.max_restarts == 2
+
+
+def test_slurm_script_without_gpu_count_lets_the_launcher_count(tmp_path):
+    proc, _, srun_env = _sbatch(tmp_path, **ALLOCATION)
+    assert proc.returncode == 0, proc.stderr
+    assert srun_env["NGPU"] == ""
+    assert _parsed(torchrun_argv([], srun_env, gpu_count=8)).nproc_per_node == "8"
+
+
+@pytest.mark.parametrize("missing", ["SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_JOB_ID"])
+def test_slurm_script_outside_an_allocation_stops_before_srun(tmp_path, missing):
+    env = {k: v for k, v in ALLOCATION.items() if k != missing}
+    proc, argv, _ = _sbatch(tmp_path, **env)
+    assert proc.returncode != 0 and argv is None
+    assert missing in proc.stderr and "Slurm allocation" in proc.stderr
+
+
+def test_slurm_script_stops_when_scontrol_names_no_host(tmp_path):
+    proc, argv, _ = _sbatch(tmp_path, hosts="", **ALLOCATION)
+    assert proc.returncode != 0 and argv is None
+    assert "gave no host name" in proc.stderr
+
+
+def test_slurm_directives_come_before_the_first_command():
+    # sbatch reads #SBATCH lines only up to the first line that is neither blank nor a comment.
+    lines = SLURM_SCRIPT.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    directives = [line.split()[1] for line in lines[:first_command] if line.startswith("#SBATCH")]
+    assert not any(line.startswith("#SBATCH") for line in lines[first_command:])
+    assert "--ntasks-per-node=1" in directives
+    assert any(d.startswith("--nodes=") for d in directives) and any(d.startswith("--gpus-per-node=") for d in
+                                                                     directives)
