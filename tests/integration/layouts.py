@@ -52,6 +52,7 @@ _BLOCK_CAUSAL = (*SHORT_DOCUMENTS, "--model.attn_mask_type", "block_causal")
 # over the data ranks after every step, so the routing biases equal one process's).
 _QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_small")
 _EP2 = ("--parallelism.expert_parallel_degree", "2")
+_ETP2 = ("--parallelism.expert_tensor_parallel_degree", "2")
 _MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
 # ... with the sequence-level balance loss too, whose gradient is a mean over the global batch's sequences.
 _MOE_AUX = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux")
@@ -177,6 +178,11 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     # tensor parallel: each tp rank runs the MoE layers on its own sequence shard, FSDP sums their gradients over tp
     ("moe_tp2_accum", 2, (*dp(4, 1), *_TP2)),
     ("moe_fsdp2_tp2_ep2", 4, (*dp(4, 2), *_TP2, *_EP2)),
+    # tensor parallel inside the experts: each tp rank holds half of every expert's hidden units and computes them
+    # for the rows of both tp ranks
+    ("moe_tp2_etp2", 2, (*dp(4, 1), *_TP2, *_ETP2)),
+    ("moe_fsdp2_tp2_etp2", 4, (*dp(4, 2), *_TP2, *_ETP2)),
+    ("moe_fsdp2_tp2_ep2_etp2", 4, (*dp(4, 2), *_TP2, *_EP2, *_ETP2)),
 )] + [Layout(name, nproc, (*overrides, *_MOE_AUX), reference="single_process_moe_aux")
       for name, nproc, overrides in (
     ("moe_aux_fsdp2_accum", 2, dp(2, 2)),

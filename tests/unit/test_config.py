@@ -593,14 +593,16 @@ INVALID_VALUES = [
       "2"], "parallelism.tensor_parallel_degree"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),  # llama has no MoE
     (["--memory_estimation.expert_load_factor", "0.9"], "memory_estimation.expert_load_factor"),
+    # expert tensor parallel needs MoE layers (its degree against tp: tests/unit/test_parallel_dims.py)
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+     "parallelism.expert_tensor_parallel_degree"),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3"],
      "parallelism.expert_parallel_degree"),
 ]
 
 NOT_AVAILABLE = [
-    (["--parallelism.expert_tensor_parallel_degree", "2"], "parallelism.expert_tensor_parallel_degree"),
-    (["--model.converters", "float8"], "model.converters"),
     (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
+    (["--model.converters", "float8"], "model.converters"),
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
     (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode"),
     # keys of features still to come are refused at any non-default value, with the feature's degree at 1

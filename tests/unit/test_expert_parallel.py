@@ -1,6 +1,7 @@
-"""Expert parallel's dispatch and combine (torchtitan/distributed/expert_parallel.py) on 2 and 4 gloo ranks against
-one process: every rank's MoE output and input gradient, and every expert's weight gradient (summed over all
-ranks' tokens), equal the single-process values for the union of the ranks' tokens."""
+"""Expert parallel's dispatch and combine, and tensor parallel inside the experts (the rows pooled over tp), in
+torchtitan/distributed/expert_parallel.py, on 2 and 4 gloo ranks against one process: every rank's MoE output and
+input gradient, and every expert's weight gradient (summed over all ranks' tokens), equal the single-process values
+for the union of the ranks' tokens."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ DIM, TOKENS = 16, 12
 
 
 def _layer(use_grouped_mm: bool) -> MoE:
+    # hidden 16: split over 2 tp ranks each slice row is 8 floats, the 16-byte stride torch._grouped_mm requires
     torch.manual_seed(0)
-    args = MoEArgs(num_experts=8, top_k=2, hidden_dim=12, num_shared_experts=1, use_grouped_mm=use_grouped_mm)
+    args = MoEArgs(num_experts=8, top_k=2, hidden_dim=16, num_shared_experts=1, use_grouped_mm=use_grouped_mm)
     layer = MoE(DIM, args)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -45,8 +47,9 @@ def _reference(world: int, use_grouped_mm: bool):
     return outs, [x.grad for x, _ in xs], grads
 
 
-def _ep_rank(rank: int, world: int, use_grouped_mm: bool):
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+def _ep_rank(rank: int, world: int, use_grouped_mm: bool, dims: tuple[str, ...]):
+    # ("ep",): expert parallel; ("tp",): the experts' hidden units split over the ranks; ("tp", "ep"): both, 2 x 2
+    mesh = init_device_mesh("cpu", (world,) if len(dims) == 1 else (2, world // 2), mesh_dim_names=dims)
     layer = _layer(use_grouped_mm)
     apply_ep(layer, mesh)
     x, w = _inputs(rank)
@@ -60,11 +63,13 @@ def _ep_rank(rank: int, world: int, use_grouped_mm: bool):
     return out.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("use_grouped_mm", [False, True])
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_matches_one_process(world, use_grouped_mm):
+@pytest.mark.parametrize(("world", "dims", "use_grouped_mm"), [
+    (2, ("ep",), False), (2, ("ep",), True), (4, ("ep",), False), (4, ("ep",), True),
+    (2, ("tp",), True), (4, ("tp", "ep"), False), (4, ("tp", "ep"), True),
+])
+def test_expert_parallel_matches_one_process(world, dims, use_grouped_mm):
     ref_out, ref_dx, ref_grads = _reference(world, use_grouped_mm)
-    results = run_ranks(_ep_rank, world, use_grouped_mm, world=world)
+    results = run_ranks(_ep_rank, world, use_grouped_mm, dims, world=world)
     summed = {name: 0 for name in ref_grads}
     for rank, (out, dx, grads) in enumerate(results):
         torch.testing.assert_close(torch.tensor(out), ref_out[rank], rtol=1e-5, atol=1e-5)

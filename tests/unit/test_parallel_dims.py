@@ -13,9 +13,9 @@ from torchtitan.distributed.parallel_dims import MESH_DIMS, ParallelDims
 
 
 def make(world_size: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
-         ep: int = 1) -> ParallelDims:
+         ep: int = 1, etp: int = 1) -> ParallelDims:
     return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep,
-                        world_size=world_size)
+                        world_size=world_size, etp=etp)
 
 
 def _one_line_error(fn, *keys: str) -> str:
@@ -137,6 +137,19 @@ def test_world_size_below_one(world):
 )
 def test_ep_must_divide_dp_shard_times_cp(world, degrees):
     _one_line_error(lambda: make(world, **degrees), "parallelism.expert_parallel_degree")
+
+
+@pytest.mark.parametrize(
+    ("world", "degrees"),
+    [
+        (2, {"etp": 2}),  # expert tensor parallel splits over the tp ranks: its degree is 1 or tp
+        (8, {"tp": 2, "etp": 4}),
+        (8, {"tp": 2, "etp": 2, "ep": 2}),  # EP 2 of dp_shard 4 leaves efsdp 2: FSDP over 2-D experts, not yet
+        (8, {"dp_replicate": 2, "tp": 2, "etp": 2, "ep": 2}),  # replicas of 2-D experts: not yet either
+    ],
+)
+def test_expert_tensor_parallel_degree_is_one_or_tp(world, degrees):
+    _one_line_error(lambda: make(world, **degrees), "parallelism.expert_tensor_parallel_degree")
 
 
 @pytest.mark.parametrize(

@@ -140,7 +140,7 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Ranks each MoE layer's experts are spread over (all-to-all); borrowed from dp_shard x cp, which it divides"""
     expert_tensor_parallel_degree: int = 1
-    """Tensor-parallel degree inside experts (not available yet)"""
+    """1, or tensor_parallel_degree: split each expert's hidden units over the tp ranks (else tp ranks split tokens)"""
 
 
 @dataclass

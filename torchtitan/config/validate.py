@@ -41,7 +41,6 @@ def _not_yet(key: str, what: str) -> None:
 NOT_YET: dict[str, str] = {
     "parallelism.context_parallel_rotate_method": "torch's rotating context-parallel attention (the all-gather one "
                                                   "is built in: docs/parallelism.md)",
-    "parallelism.expert_tensor_parallel_degree": "expert tensor parallel",
     "model.converters": "model converters",
     "optimizer.early_step_in_backward": "stepping in backward",
     "training.enable_cpu_offload": "CPU offload",
@@ -156,8 +155,20 @@ def _check_parallelism(cfg: JobConfig) -> None:
 
 
 def _check_expert_parallel(cfg: JobConfig) -> None:
-    """Expert parallel needs MoE layers whose experts divide over the ep ranks; its mesh conditions are
-    ParallelDims's (torchtitan/distributed/parallel_dims.py)."""
+    """Expert parallel needs MoE layers whose experts divide over the ep ranks, expert tensor parallel MoE layers
+    whose hidden size divides over the tp ranks; the mesh conditions are ParallelDims's
+    (torchtitan/distributed/parallel_dims.py)."""
+    etp = cfg.parallelism.expert_tensor_parallel_degree
+    if etp > 1:
+        from torchtitan.models.registry import get_model_spec  # lazy: see _check_model
+
+        moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
+        if moe is None:
+            _err(f"parallelism.expert_tensor_parallel_degree={etp}: {cfg.model.name}/{cfg.model.flavor} has no MoE "
+                 "layers")
+        if moe.hidden_dim % etp:
+            _err(f"parallelism.expert_tensor_parallel_degree={etp} does not divide the experts' hidden size "
+                 f"{moe.hidden_dim} of {cfg.model.name}/{cfg.model.flavor}")
     ep = cfg.parallelism.expert_parallel_degree
     if ep == 1:
         return

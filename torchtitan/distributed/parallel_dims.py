@@ -48,6 +48,8 @@ class ParallelDims:
     """expert_parallel_degree (borrowed from dp_shard x cp)"""
     world_size: int
     """number of processes in the job"""
+    etp: int = 1
+    """expert_tensor_parallel_degree (1, or tp: the experts' hidden units split over the tp ranks)"""
     _world_mesh: object | None = field(default=None, init=False, repr=False)
     _views: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -64,6 +66,7 @@ class ParallelDims:
             pp=p.pipeline_parallel_degree,
             ep=p.expert_parallel_degree,
             world_size=world_size,
+            etp=p.expert_tensor_parallel_degree,
         )
 
     def _validate(self) -> None:
@@ -100,6 +103,14 @@ class ParallelDims:
                 f"parallelism.expert_parallel_degree={self.ep} must divide dp_shard x cp = "
                 f"{self.dp_shard * self.cp} (expert parallel borrows those ranks)"
             )
+        if self.etp not in (1, self.tp):
+            _err(f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 or tensor_parallel_degree="
+                 f"{self.tp} (the experts' hidden units are split over the tp ranks)")
+        if self.etp > 1 and self.ep > 1 and (self.efsdp > 1 or self.dp_replicate > 1):
+            # FSDP would have to shard weights that are already 2-D DTensors (tp x ep): not built yet.
+            _err(f"parallelism.expert_tensor_parallel_degree={self.etp} with expert_parallel_degree={self.ep} needs "
+                 f"the ep degree to take all of dp_shard x cp = {self.dp_shard * self.cp} and no "
+                 "data_parallel_replicate_degree (FSDP over tensor- and expert-parallel experts is not available yet)")
 
     # ---- degrees of the derived views -------------------------------------------------------------
     @property
@@ -129,6 +140,10 @@ class ParallelDims:
     def efsdp(self) -> int:
         """The ranks of dp_shard x cp that expert parallel leaves over (each holds a replica of the same experts)."""
         return self.dp_shard * self.cp // self.ep
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.etp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -197,6 +212,8 @@ class ParallelDims:
             self._views["ep"] = self._views["expert_mesh"]["ep"]
             if self.tp > 1:
                 self._views["efsdp_tp"] = self._views["expert_mesh"]["efsdp", "tp"]._flatten("efsdp_tp")
+            if self.etp > 1:
+                self._views["tp_ep"] = self._views["expert_mesh"]["tp", "ep"]
         self._world_mesh = mesh
         return mesh
 
@@ -217,6 +234,10 @@ class ParallelDims:
         """The mesh FSDP shards expert parallel's weights over: the ranks that hold the same experts, i.e. those of
         dp_shard x cp that EP leaves (efsdp), times tp (tensor parallel splits the MoE layers' tokens, not their
         experts), with dp_replicate for HSDP; None when there is no such rank (each expert then exists once)."""
+        if self.etp > 1:
+            # The experts are sharded over tp (and ep) and replicated over the ranks FSDP shards the rest over; with
+            # expert parallel too, validation made sure there are none.
+            return self.fsdp_mesh() if self.fsdp_enabled and not self.ep_enabled else None
         if self.efsdp == 1 and self.dp_replicate == 1 and self.tp == 1:
             return None
         expert_mesh = self._views["expert_mesh"]
@@ -224,6 +245,13 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return expert_mesh["dp_replicate", inner]
         return expert_mesh[inner]
+
+    def expert_weight_mesh(self):
+        """The mesh the routed experts' weights are DTensors on: ep (expert parallel), tp (tensor parallel inside
+        the experts), or (tp, ep) for both; None when neither is on."""
+        if self.ep > 1:
+            return self._views["tp_ep"] if self.etp > 1 else self._views["ep"]
+        return self.world_mesh["tp"] if self.etp > 1 else None
 
     def moe_fsdp_mesh(self):
         """With tensor parallel: the mesh FSDP shards the MoE layers' other parameters over (router, shared experts,

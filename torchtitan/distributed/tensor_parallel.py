@@ -19,7 +19,8 @@ shared experts) on its own S/tp tokens of the sequence-sharded stream, with no c
 (`moe_token_split`). For those parameters the tp ranks are therefore data-parallel ranks: their gradients are sums
 over tp, which FSDP does by sharding them over dp_shard x cp x tp (torchtitan/distributed/fsdp.py,
 ParallelDims.moe_fsdp_mesh), and the routing counts for load balancing are summed over tp too. Expert parallel
-composes as without TP: the ranks of one ep group share a tp index and exchange their own tokens.
+composes as without TP: the ranks of one ep group share a tp index and exchange their own tokens. With
+expert_tensor_parallel_degree = tp the experts themselves are split over tp (torchtitan/distributed/expert_parallel.py).
 
 The model code is unchanged: `Attention` reads its local head count from the tensors.
 """

@@ -39,8 +39,8 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
                  block_plan=tp_plan if tp_plan is not None else tp_block_plan)
         if p.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
-    if parallel_dims.ep_enabled:
-        apply_ep(model, parallel_dims.mesh("ep"), job_config.memory_estimation.expert_load_factor)
+    if parallel_dims.ep_enabled or parallel_dims.etp_enabled:
+        apply_ep(model, parallel_dims.expert_weight_mesh(), job_config.memory_estimation.expert_load_factor)
     if parallel_dims.cp > 1:
         apply_cp(model, parallel_dims.mesh("cp"))
     ac = job_config.activation_checkpoint
@@ -103,7 +103,7 @@ def tp_block_plan(block: nn.Module | None = None) -> dict:
 def _expert_fsdp(model: nn.Module, parallel_dims: ParallelDims) -> dict:
     """How FSDP treats expert parallel's weights (already sharded over ep): sharded again over the ranks EP leaves
     (efsdp, with dp_replicate), or, when there are none, left alone."""
-    if not parallel_dims.ep_enabled:
+    if not (parallel_dims.ep_enabled or parallel_dims.etp_enabled):
         return {}
     expert_mesh = parallel_dims.expert_fsdp_mesh()
     if expert_mesh is None:
