@@ -341,3 +341,22 @@ def test_fsdp_shards_moe_blocks_and_matches_one_process() -> None:
                                    rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(torch.tensor(out["grad_gate"]), ref.layers["1"].moe.router.gate.weight.grad,
                                    rtol=1e-4, atol=1e-6)
+
+
+def test_compile_leaves_the_moe_layer_eager_and_compiles_the_rest_of_its_block() -> None:
+    """fullgraph tracing cannot take the routing's host reads: MoE blocks compile their norms and attention only, and
+    the model computes what it computes eagerly (dynamo's eager backend: tracing without inductor's compile time)."""
+    from torchtitan.distributed.compile import apply_compile
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(qwen3_flavors["debugmodel_moe_small"], n_layers=2, max_seq_len=16)
+    model = Qwen3Transformer(args)
+    model.init_weights()
+    reference = copy.deepcopy(model)
+    apply_compile(model, "eager")
+    block = model.layers["0"]
+    assert block.attention._compiled_call_impl is not None and block.ffn_norm._compiled_call_impl is not None
+    assert block.moe._compiled_call_impl is None and block._compiled_call_impl is None
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-6, atol=1e-6)
+    model(tokens).sum().backward()  # the compiled attention's backward runs too
