@@ -12,7 +12,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -329,13 +328,13 @@ def test_hub_names_fail_fast_offline(tmp_path: Path) -> None:
         "    except ValueError as e:\n        print(f'{time.perf_counter() - start:.2f}', e)\n"
     )  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
-    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60, check=True)  # fmt: skip
-    assert time.perf_counter() - start < 30
+                         text=True, timeout=120, check=True)  # fmt: skip
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 3, out.stdout + out.stderr
-    assert all(float(line.split()[0]) < 3.0 for line in lines)
+    # Without offline mode, huggingface_hub retries for ~24 s per name before failing; a bound well below that
+    # (not a speed measurement: a loaded 2-core machine takes 0.1-3 s) shows no retry loop ran.
+    assert all(float(line.split()[0]) < 15.0 for line in lines), lines
     assert "training.dataset: cannot open hub dataset allenai/c4 (config en) split 'train'" in lines[0]
     assert "training.dataset: cannot open hub dataset HuggingFaceFW/fineweb-edu (config sample-10BT)" in lines[1]
     assert ("training.dataset_path: no local file or folder 'someone/some-corpus:cfg'; cannot open hub dataset "
