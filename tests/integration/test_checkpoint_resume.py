@@ -284,3 +284,22 @@ def test_moe_resume_into_and_out_of_expert_parallel(pools, tmp_path):
     back = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), back_dir)
     problems = compare(back, _from_step(straight, 10))
     assert not problems, problems[:5]
+
+
+def test_moe_resume_across_expert_parallel_degrees_and_expert_tensor_parallel(pools, tmp_path):
+    """FSDP 2 saved at step 6 -> FSDP 2 x TP 2 + EP 2 with tensor parallel inside the experts (each expert weight a
+    2-D DTensor: experts over ep, hidden units over tp; saves step 9) -> FSDP 4 + EP 4 from step 9: the curve goes
+    on through both reshardings."""
+    straight_dir, etp_dir, ep4_dir = tmp_path / "fsdp2", tmp_path / "tp2_ep2_etp2", tmp_path / "ep4"
+    straight = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), straight_dir)
+    _resume_from(straight_dir, 6, etp_dir)
+    etp = train_layout(pools, 4, (*CKPT, *MOE, *dp(4, 2), "--parallelism.tensor_parallel_degree", "2",
+                                  "--parallelism.expert_parallel_degree", "2",
+                                  "--parallelism.expert_tensor_parallel_degree", "2", "--checkpoint.interval", "3"),
+                       etp_dir)
+    problems = compare(etp, _from_step(straight, 7))
+    assert not problems, problems[:5]
+    _resume_from(etp_dir, 9, ep4_dir)
+    ep4 = train_layout(pools, 4, (*CKPT, *MOE, *dp(2, 4), "--parallelism.expert_parallel_degree", "4"), ep4_dir)
+    problems = compare(ep4, _from_step(straight, 10))
+    assert not problems, problems[:5]
