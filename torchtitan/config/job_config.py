@@ -74,7 +74,7 @@ class Training:
     dataset: str = "python_stdlib"
     """Dataset name from the registry (python_stdlib = the embedded default corpus)"""
     dataset_path: str = ""
-    """Local file, folder or glob (json/jsonl/parquet/txt), or a hub dataset name; empty = the registry entry"""
+    """Local file, folder or glob (json/jsonl/parquet/txt), hub dataset, or pre-tokenized folder; empty = registry"""
     dataset_text_column: str = "text"
     """Column (json/parquet/hub record field) holding each document's text"""
     dataset_split: str = "train"

@@ -397,6 +397,13 @@ def build_dataloader(
     ):
         if wrong:
             raise ValueError(message)
+    from torchtitan.data import pretokenized  # here: it imports this module
+
+    if isinstance(source, pretokenized.PretokenizedSource):  # token shards: no tokenizing, no workers
+        return pretokenized.build_pretokenized_dataloader(
+            source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+            dp_degree=dp_degree, infinite=infinite, document_masking=document_masking,
+        )  # fmt: skip
     loader = PackedDataLoader(
         source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
         dp_degree=dp_degree, num_workers=num_workers, infinite=infinite, document_masking=document_masking,

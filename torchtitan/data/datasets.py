@@ -158,6 +158,11 @@ def build_document_source(
     mode = str(streaming).strip().lower()
     if mode not in ("auto", "true", "false"):
         raise ValueError(f"{p}.dataset_streaming: must be auto, true or false, got {streaming!r}")
+    if dataset_path and Path(dataset_path).expanduser().is_dir():  # a folder may hold token shards
+        from torchtitan.data.pretokenized import open_pretokenized  # here: it imports torch, hub names need not
+
+        if (folder := open_pretokenized(dataset_path, p)) is not None:
+            return folder  # written by scripts/pretokenize.py, checked as it is opened
     if dataset_path:
         source = hf_sources.build_path_source(dataset_path, text_column, split, mode, cache_dir, p)
     elif dataset not in DATASETS:
