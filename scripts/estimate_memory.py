@@ -12,6 +12,7 @@ peak with a breakdown, the phase of the peak, an analytic cross-check and a fits
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.config.errors import ConfigError  # noqa: E402
 from torchtitan.config.manager import load_config  # noqa: E402
 from torchtitan.estimation.engine import estimate  # noqa: E402
+from torchtitan.estimation.forked import in_child  # noqa: E402
 from torchtitan.estimation.report import (  # noqa: E402
     DEFAULT_GPU_RESERVE_GIB,
     analytic,
@@ -32,26 +34,10 @@ from torchtitan.estimation.report import (  # noqa: E402
 
 
 def _estimate_in_child(cfg, world_size: int, rank: int, target: str, exact: bool):
-    """`estimate` in a forked child: each rank's fake process group and the DTensor caches keyed by mesh shape
-    (which would keep the previous rank's groups) die with the child."""
-    import multiprocessing as mp
-    import traceback
-
-    def child(queue) -> None:
-        try:
-            queue.put((None, estimate(cfg, world_size, rank, target, exact=exact)))
-        except BaseException:  # noqa: BLE001  (reported by the parent)
-            queue.put((traceback.format_exc(), None))
-
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(queue,))
-    proc.start()
-    err, est = queue.get()
-    proc.join()
-    if err is not None:
-        raise RuntimeError(f"estimating rank {rank} failed:\n{err}")
-    return est
+    try:
+        return in_child(functools.partial(estimate, exact=exact), cfg, world_size, rank, target)
+    except RuntimeError as e:
+        raise RuntimeError(f"estimating rank {rank} failed:\n{e}") from None
 
 
 def _host_memory_gib() -> float:

@@ -14,44 +14,17 @@ from __future__ import annotations
 
 import math
 import re
-import traceback
 from dataclasses import dataclass, field
 
-from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import Resolved
+from torchtitan.estimation.forked import in_child
 
 GIB = 1024**3
 # AdamW and Adam (the only optimizers, components/optimizer.py) keep two moments shaped and typed as the parameter,
 # plus a float32 step counter per parameter.
 _MOMENTS = 2
 _STEP_BYTES = 4
-
-
-def in_child(fn, *args):
-    """fn(*args) in a forked child; its ConfigError comes back as a ConfigError, anything else as a RuntimeError
-    carrying the child's traceback."""
-    import multiprocessing as mp
-
-    def child(queue) -> None:
-        try:
-            queue.put(("ok", fn(*args)))
-        except ConfigError as e:
-            queue.put(("config", str(e)))
-        except BaseException:  # noqa: BLE001  (reported by the parent)
-            queue.put(("error", traceback.format_exc()))
-
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(queue,))
-    proc.start()
-    kind, value = queue.get()
-    proc.join()
-    if kind == "config":
-        raise ConfigError(value)
-    if kind == "error":
-        raise RuntimeError(value)
-    return value
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------
