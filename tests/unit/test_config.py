@@ -591,6 +591,9 @@ INVALID_VALUES = [
     # tensor parallel splits a sequence's tokens over tp for the MoE layers: no per-sequence balance loss there
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux", "--parallelism.tensor_parallel_degree",
       "2"], "parallelism.tensor_parallel_degree"),
+    # DeepSeek-V3's attention is split over its heads: n_heads (8 in debugmodel) must divide by tp
+    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree", "3"],
+     "n_heads=8 is not divisible by tensor_parallel_degree=3"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),  # llama has no MoE
     (["--memory_estimation.expert_load_factor", "0.9"], "memory_estimation.expert_load_factor"),
     # expert tensor parallel needs MoE layers (its degree against tp: tests/unit/test_parallel_dims.py)

@@ -56,7 +56,7 @@ def test_registered_spec() -> None:
     spec = get_model_spec("deepseek_v3")
     assert spec.model_cls is DeepSeekV3Transformer and spec.flavors is deepseek_v3_flavors
     assert spec.pipeline_input_fqns == ("tok_embeddings",) and spec.pipeline_output_fqns == ("norm", "output")
-    assert spec.state_dict_adapter.__name__ == "DeepSeekV3StateDictAdapter" and not spec.supports_tensor_parallel
+    assert spec.state_dict_adapter.__name__ == "DeepSeekV3StateDictAdapter" and spec.supports_tensor_parallel
 
 
 def test_submodule_names_are_the_contract(model: DeepSeekV3Transformer) -> None:
@@ -286,14 +286,52 @@ def test_trains_and_gradients_reach_router_experts_and_mla() -> None:
 # ----------------------------------------------------------------------------- parallelize
 
 
-def test_tensor_parallel_is_refused() -> None:
+def _tp_rank(rank: int, flavor: str) -> dict:
     from torchtitan.config.job_config import JobConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
 
     pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2)
-    with pytest.raises(NotImplementedError, match="tensor parallel for deepseek_v3"):
-        parallelize_deepseek_v3(torch.nn.Linear(2, 2), pd, JobConfig(), "float32")
+    pd.build_mesh("cpu")
+    cfg = JobConfig()
+    cfg.parallelism.disable_loss_parallel = True  # plain logits, so the loss below is an ordinary cross-entropy
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(_tp_args(flavor))
+    model = parallelize_deepseek_v3(model, pd, cfg, "float32")
+    _materialized(model)
+    batch = _tokens(batch=2, seq=9, vocab=128, seed=11)  # TP ranks read the same rows
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").backward()
+    attention = model.layers["1"].attention
+    return {"grads": {name: p.grad.full_tensor() for name, p in model.named_parameters()},
+            "placements": {name: str(getattr(attention, name).weight.placements)
+                           for name in ("wkv_a", "kv_norm", "wkv_b", "wo")}}
+
+
+def _tp_args(flavor: str) -> DeepSeekV3ModelArgs:
+    return dataclasses.replace(_FSDP_ARGS, q_lora_rank=32 if flavor == "qlora" else 0, n_layers=3)
+
+
+@pytest.mark.parametrize("flavor", ["plain", "qlora"])
+def test_tensor_parallel_matches_one_process(flavor: str) -> None:
+    """TP 2 over every block kind (a dense block, then MoE blocks on each rank's sequence shard): MLA's heads split
+    over the ranks, its low-rank projections sequence parallel. Every parameter's gradient must be the one-process
+    gradient; k_pe's and the latent's, which every rank's heads use, only are if the gather hands back their sum
+    over the ranks (wkv_a and kv_norm would carry one rank's heads' share otherwise)."""
+    from tests.unit.forked import run_ranks
+
+    results = run_ranks(_tp_rank, flavor, world=2)
+    with torch.device("meta"):
+        ref = DeepSeekV3Transformer(_tp_args(flavor))
+    _materialized(ref)
+    batch = _tokens(batch=2, seq=9, vocab=128, seed=11)
+    F.cross_entropy(ref(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").backward()
+    want = {name: p.grad for name, p in ref.named_parameters()}
+    for out in results:
+        assert out["placements"] == {"wkv_a": "(Replicate(),)", "kv_norm": "(Replicate(),)",
+                                     "wkv_b": "(Shard(dim=0),)", "wo": "(Shard(dim=1),)"}
+        assert out["grads"].keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(torch.tensor(out["grads"][name]), grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 _FSDP_ARGS = dataclasses.replace(deepseek_v3_flavors["debugmodel_qlora"], dim=64, n_heads=4, vocab_size=128,

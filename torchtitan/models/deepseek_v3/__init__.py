@@ -18,7 +18,6 @@ register_model_spec(
         pipeline_input_fqns=("tok_embeddings",),
         pipeline_output_fqns=("norm", "output"),
         pipeline_unit_flops_fn=get_pipeline_unit_flops,
-        supports_tensor_parallel=False,  # no plan yet: config validation refuses tp > 1 (parallelize raises)
     )
 )
 

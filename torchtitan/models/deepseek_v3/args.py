@@ -166,3 +166,13 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
 }
 # The low-rank query path (wq_a -> q_norm -> wq_b) of the 671B model, at debug size.
 deepseek_v3_flavors["debugmodel_qlora"] = replace(deepseek_v3_flavors["debugmodel"], q_lora_rank=128)
+# The parity suite's DeepSeek-V3 (tests/integration/layouts.py; tensor parallel over 2 ranks): the parity corpus's
+# 512-token vocabulary, 4 heads, one dense block then two MoE blocks (8 experts, top 2 from the best 2 of 4 groups,
+# one shared expert), and MLA's odd widths kept (v_head_dim != qk_head_dim, n_heads x qk_head_dim != dim).
+deepseek_v3_flavors["debugmodel_small"] = replace(
+    deepseek_v3_flavors["debugmodel"], dim=64, n_layers=3, n_heads=4, vocab_size=512, ffn_hidden_dim=128,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, max_seq_len=256,
+    moe=replace(deepseek_v3_flavors["debugmodel"].moe, hidden_dim=32),
+)
+# ... with the low-rank query path.
+deepseek_v3_flavors["debugmodel_small_qlora"] = replace(deepseek_v3_flavors["debugmodel_small"], q_lora_rank=32)

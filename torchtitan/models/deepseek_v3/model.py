@@ -11,6 +11,8 @@ Multi-head latent attention (`attention`):
     wkv_a(x) = (latent [kv_lora_rank], k_pe [qk_rope])             k_pe: one rotary key shared by every head
     wkv_b(kv_norm(latent)) = per head (k_nope [qk_nope], v [v_head_dim])
     k = (k_nope, rotate(k_pe)), q = (q_nope, rotate(q_pe)); softmax(q k^T * softmax_scale) v -> wo
+`kv_handoff` (parameterless, returns its inputs) passes (kv_norm(latent), k_pe) on to the per-head part: where
+tensor parallel gathers both over the sequence (torchtitan/models/deepseek_v3/parallelize.py).
 Rotary positions pair channels (2i, 2i + 1) of the rope part (Llama's interleaved layout): transformers'
 DeepseekV3Attention with rope_interleave=true (its default and the published checkpoints') rotates the same pairs
 and only stores the result de-interleaved, which q.k does not see; so conversion is pure renaming.
@@ -87,6 +89,14 @@ def precompute_rope_table(args: DeepSeekV3ModelArgs, device: torch.device | str 
 # ---------------------------------------------------------------------------------------------
 
 
+class Handoff(nn.Module):
+    """Returns its inputs unchanged. A module boundary that parallelisms can hook (a forward pre-hook may replace the
+    inputs), for tensors that no parameterised module consumes as they are (MLA's shared rotary key k_pe)."""
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tensors
+
+
 class MLAttention(nn.Module):
     """Causal multi-head latent attention with rotary positions on a part of each head; no biases."""
 
@@ -110,6 +120,9 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.wo = nn.Linear(a.n_heads * a.v_head_dim, a.dim, bias=False)
+        # Parameterless, so the state dict is unchanged: the point between the per-token kv path and the per-head
+        # one where tensor parallel gathers the normed latent and k_pe over the sequence.
+        self.kv_handoff = Handoff()
         self.sdpa = CausalAttention()
         # SDPA scales by 1 / sqrt(q's width); YaRN's extra mscale^2 (args.softmax_scale) goes onto q, which leaves
         # the attention core (and whatever context parallel puts in its place) free of any scale argument.
@@ -124,7 +137,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(bsz, seq_len, -1, self.qk_head_dim).split([self.qk_nope_head_dim,
                                                                           self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq_len, -1, self.qk_nope_head_dim + self.v_head_dim)
+        latent, k_pe = self.kv_handoff(self.kv_norm(latent), k_pe)
+        kv = self.wkv_b(latent).view(bsz, seq_len, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # contiguous(): the rotation views channel pairs as complex numbers, which needs an even storage offset.
         q_pe = apply_rotary_emb(q_pe.contiguous(), freqs_cis)
