@@ -204,6 +204,19 @@ class CheckpointManager:
         from torchtitan.components.hf_io import load_hf
 
         t0 = time.perf_counter()
+        if self._pg is not None and self.world_size > 1 and not self.pipeline_parallel:
+            # By shard (hf_sharded.py): every rank reads one block at a time and keeps only its own slices; no
+            # collective but the error report, and no rank ever holds the model (rank 0 does below).
+            from torchtitan.components.hf_sharded import load_hf_sharded
+
+            try:  # a failure on any rank raises on all (one all_gather_object on self._pg)
+                load_hf_sharded(path, self.model_parts, self.model_args, pg=self._pg)
+            except (RuntimeError, ValueError, OSError, KeyError, TypeError) as e:
+                raise CheckpointError(f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}: "
+                                      f"{cio.one_line(e)}") from e
+            logger.info(f"checkpoint: loaded model weights by shard from Hugging Face folder {path} "
+                        f"in {time.perf_counter() - t0:.2f}s")
+            return
         # Only rank 0 reads the files and broadcasts each tensor into the others' shards: one copy of the
         # full model in host memory per job instead of one per rank. This path works for FSDP2 DTensors on
         # gloo and NCCL alike; every rank reading the full dict (full_state_dict without broadcast) works
@@ -377,6 +390,19 @@ class CheckpointManager:
 
         self.wait()  # the gather below and the error broadcast must not interleave with a background save
         t0 = time.perf_counter()
+        out = self.folder / f"step-{step}-hf"
+        if self._pg is not None and not self.pipeline_parallel:
+            # By shard (hf_sharded.py): one block gathered at a time, each written by one rank; no rank ever holds
+            # the model. Collective over every rank (the blocks' all-gathers, then the file list on self._pg).
+            from torchtitan.components.hf_sharded import save_hf_sharded
+
+            try:
+                save_hf_sharded(out, model_state_dict(self.model_parts), self.model_args,
+                                dtype=self.cfg.export_dtype, pg=self._pg)
+            except (RuntimeError, ValueError, OSError) as e:  # raised alike on every rank
+                raise CheckpointError(f"checkpoint.last_save_in_hf: cannot write {out}: {cio.one_line(e)}") from e
+            logger.info(f"checkpoint: exported Hugging Face folder {out} by shard in {time.perf_counter() - t0:.2f}s")
+            return
         # Collective: every rank contributes its shards, rank 0 receives the full tensors on CPU.
         if self.pipeline_parallel and self._pg is not None:
             # Rank 0 holds only its own stages. Every rank gathers its stages' full tensors (cpu_offload would keep
@@ -389,7 +415,6 @@ class CheckpointManager:
             full = {k: v for piece in (pieces or []) if piece for k, v in piece.items()}
         else:
             full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True, cpu_offload=True))
-        out = self.folder / f"step-{step}-hf"
         self._on_rank0(lambda: save_hf(out, full, self.model_args, dtype=self.cfg.export_dtype),
                        f"checkpoint.last_save_in_hf: cannot write {out}")
         logger.info(f"checkpoint: exported Hugging Face folder {out} in {time.perf_counter() - t0:.2f}s")

@@ -19,7 +19,7 @@ adapter which one reads config.json.
 Only safetensors is read or written: no pickle, so loading a downloaded checkpoint cannot run code.
 Both functions work on full, plain tensors; with FSDP/TP gather the state dict first (e.g. with
 `get_model_state_dict(..., options=StateDictOptions(full_state_dict=True, cpu_offload=True))`) and
-call `save_hf` on one rank only.
+call `save_hf` on one rank only, or use hf_sharded.py, which writes and reads one block at a time on every rank.
 """
 
 from __future__ import annotations
@@ -263,20 +263,8 @@ def _load_sharded(folder: Path) -> dict[str, Tensor]:
     return out
 
 
-def load_hf(
-    folder: str | os.PathLike[str],
-    model_args: Any = None,
-    *,
-    model: str | type | None = None,
-) -> tuple[dict[str, Tensor], Any]:
-    """Read a Hugging Face checkpoint folder into (our state dict, model args).
-
-    `model` picks the adapter (see `adapter_for`); with neither `model` nor `model_args`, the registered model
-    whose adapter reads config.json. With `model_args`, config.json must describe the same shapes and numerics
-    (else ValueError) and `model_args` is returned; without, the args are derived from config.json. Tensors keep
-    the dtype they were stored in; `load_state_dict` casts them into the model's parameters.
-    """
-    folder = Path(folder)
+def resolve_folder(folder: Path, model_args: Any = None, model: str | type | None = None) -> tuple[type, Any]:
+    """(adapter class, model args) for an HF folder: config.json read and checked as `load_hf` describes."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: not a directory")
     config_path = folder / CONFIG_NAME
@@ -296,6 +284,24 @@ def load_hf(
                             f"{type(found).__name__}")
         adapter.check_args_match(model_args, found, source)
     args = model_args if model_args is not None else found
+    return adapter, args
+
+
+def load_hf(
+    folder: str | os.PathLike[str],
+    model_args: Any = None,
+    *,
+    model: str | type | None = None,
+) -> tuple[dict[str, Tensor], Any]:
+    """Read a Hugging Face checkpoint folder into (our state dict, model args).
+
+    `model` picks the adapter (see `adapter_for`); with neither `model` nor `model_args`, the registered model
+    whose adapter reads config.json. With `model_args`, config.json must describe the same shapes and numerics
+    (else ValueError) and `model_args` is returned; without, the args are derived from config.json. Tensors keep
+    the dtype they were stored in; `load_state_dict` casts them into the model's parameters.
+    """
+    folder = Path(folder)
+    adapter, args = resolve_folder(folder, model_args, model)
 
     single, index = folder / SINGLE_NAME, folder / INDEX_NAME
     if single.is_file() and index.is_file():
