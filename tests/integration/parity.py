@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torchtitan.components.model_parts import named_parameters
 
 # Tolerances, relative, derived in docs/testing.md from the measured noise floor of mathematically equal runs.
-TOLERANCE = {"loss": 2e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "param": 1e-6, "moe_aux_loss": 2e-6}
+TOLERANCE = {"loss": 3e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "param": 1e-6, "moe_aux_loss": 2e-6}
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_reference_learns(name, reference):
-    # a parity test against a run that does not train would prove nothing
-    losses = [m["loss"] for m in reference(name)["metrics"]]
-    assert losses[-1] < losses[0] - 0.1, losses
+    # A parity test against a run that does not train would prove nothing. The validation loss is measured on the
+    # same 8 sequences after steps 3 and 6, so its fall is the training's doing; the training loss of steps 1 and 6
+    # comes from different batches, whose own difficulty moves it by +-0.1 in these few steps.
+    val = [m["val_loss"] for m in reference(name)["metrics"] if m.get("val_loss") is not None]
+    assert len(val) == 2 and val[1] < val[0] - 1e-3, val
 
 
 def test_document_masking_changes_training(reference):

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from torchtitan.models.random_fill import Fill
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import logger
 
@@ -207,19 +209,27 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
 def param_init(param: torch.Tensor, init_fn: Callable[[torch.Tensor], object]) -> None:
     """Initialise a parameter so every layout holds the values one process would have drawn.
 
-    A sharded DTensor initialised in place draws the same local random numbers on every rank (CPU
-    generators have no per-shard offset), so layouts would start differently. Instead draw the full
-    tensor with the shared generator state (every rank consumes the generator identically), then keep this
-    rank's shard. Costs one full-size temporary per parameter.
+    A sharded DTensor initialised in place by a torch generator would draw the same local random numbers on every
+    rank (CPU generators have no per-shard offset). The models' fills (torchtitan/models/random_fill.py) are
+    functions of (seed, element index) instead: each rank fills only its own shard, the box of the whole tensor
+    that its placements give it, with the whole tensor's values there, and no full-size temporary (peak: the shard
+    and a bounded chunk). Any other fill draws the full tensor with the shared generator state (every rank consumes
+    it identically) and keeps this rank's shard, at the cost of one full-size temporary.
     """
     if not isinstance(param, DTensor):
         init_fn(param)
         return
-    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+    local = param.to_local()
+    if isinstance(init_fn, Fill):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        if tuple(shape) == tuple(local.shape):
+            init_fn.fill_box(local, tuple(param.shape), tuple(offset))
+            return
+    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
     init_fn(full)
     # src_data_rank=None: every rank already holds the identical full tensor, so slice locally, no comms.
-    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-    param.to_local().copy_(local)
+    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(shard)
 
 
 def record_failure(exc: BaseException) -> None:

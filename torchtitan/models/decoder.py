@@ -19,6 +19,7 @@ from torch import nn
 
 from torchtitan.models.attention import document_causal_mask
 from torchtitan.models.moe import MoE
+from torchtitan.models.random_fill import Constant, Normal, TruncNormal
 
 ParamInit = Callable[[torch.Tensor, Callable[[torch.Tensor], object]], None]
 """(parameter, fill_fn) -> None. The caller decides how fill_fn reaches the parameter's storage."""
@@ -28,9 +29,10 @@ def default_param_init(param: torch.Tensor, fill: Callable[[torch.Tensor], objec
     fill(param)
 
 
-def trunc_normal(std: float) -> Callable[[torch.Tensor], object]:
-    # Cut at +-3 std so that no single weight starts as an outlier.
-    return lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+def trunc_normal(std: float) -> TruncNormal:
+    # Cut at +-3 std so that no single weight starts as an outlier. Its values depend only on (seed, element), so a
+    # rank can fill its shard alone (torchtitan/models/random_fill.py).
+    return TruncNormal(std)
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +52,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
     def init_weights(self, param_init: ParamInit) -> None:
-        param_init(self.weight, nn.init.ones_)
+        param_init(self.weight, Constant(1.0))
 
 
 class CausalAttention(nn.Module):
@@ -198,7 +200,7 @@ class Decoder(nn.Module):
                 if tied:
                     fill(self.tok_embeddings.weight, trunc_normal(self.model_args.dim**-0.5))
                 else:
-                    fill(self.tok_embeddings.weight, lambda t: nn.init.normal_(t, mean=0.0, std=1.0))
+                    fill(self.tok_embeddings.weight, Normal(1.0))
             for layer in self.layers.values():
                 layer.init_weights(fill)
             if self.norm is not None:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.random_fill import TruncNormal
+
 # torch._grouped_mm wrapped as custom ops: their fake kernels (shapes only) let the memory estimator trace the
 # experts in any dtype (torch's own fake kernel accepts bfloat16 only, though the CPU kernel runs float32), and the
 # backward makes its incoming gradient contiguous (torch's backward rejects stride-0 gradients, e.g. of out.sum()).
@@ -97,4 +99,4 @@ class GroupedExperts(nn.Module):
 
     def init_weights(self, in_std: float, out_std: float, param_init) -> None:
         for weight, std in ((self.w1, in_std), (self.w2, out_std), (self.w3, out_std)):
-            param_init(weight, lambda t, std=std: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std))
+            param_init(weight, TruncNormal(std))

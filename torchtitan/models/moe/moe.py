@@ -28,6 +28,7 @@ from torch import nn
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TopKRouter
+from torchtitan.models.random_fill import TruncNormal
 
 _COUNT_TOKENS = contextvars.ContextVar("moe_count_tokens", default=True)
 
@@ -148,8 +149,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             for lin, std in ((self.shared_experts.w1, 0.02), (self.shared_experts.w2, out_std),
                              (self.shared_experts.w3, out_std)):
-                param_init(lin.weight, lambda t, std=std: nn.init.trunc_normal_(t, mean=0.0, std=std,
-                                                                                a=-3 * std, b=3 * std))
+                param_init(lin.weight, TruncNormal(std))
         with torch.no_grad():
             if self.expert_bias is not None:
                 self.expert_bias.zero_()

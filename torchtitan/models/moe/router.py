@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.random_fill import TruncNormal
 
 
 class TopKRouter(nn.Module):
@@ -44,4 +45,4 @@ class TopKRouter(nn.Module):
         return weights * a.route_scale, experts, scores
 
     def init_weights(self, std: float, param_init) -> None:
-        param_init(self.gate.weight, lambda t: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std))
+        param_init(self.gate.weight, TruncNormal(std))
