@@ -41,7 +41,7 @@ from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
     from torchtitan.data.source import DocumentSource
-    from torchtitan.data.tokenizer import Tokenizer
+    from torchtitan.data.tokenizer_base import BaseTokenizer
 
 __all__ = ["STATE_KEYS", "PackedDataLoader", "build_dataloader", "document_ids_from_positions"]
 
@@ -58,7 +58,7 @@ _MP_CONTEXT = "forkserver" if "forkserver" in multiprocessing.get_all_start_meth
 _Block = tuple[int, int, list[int], list[int], array.array]  # position, epoch, doc indices, lengths, int32 tokens
 
 
-def _iter_blocks(source: DocumentSource, tokenizer: Tokenizer, epoch: int, start_doc: int, infinite: bool,
+def _iter_blocks(source: DocumentSource, tokenizer: BaseTokenizer, epoch: int, start_doc: int, infinite: bool,
                  block_chars: int, worker: int, num_workers: int) -> Iterator[_Block]:
     """Tokenized blocks in stream order from (epoch, start_doc), only those of `worker`.
 
@@ -87,7 +87,7 @@ def _iter_blocks(source: DocumentSource, tokenizer: Tokenizer, epoch: int, start
         epoch, first = epoch + 1, 0
 
 
-def _encode_block(tokenizer: Tokenizer, position: int, epoch: int, block: list[tuple[int, str]]) -> _Block:
+def _encode_block(tokenizer: BaseTokenizer, position: int, epoch: int, block: list[tuple[int, str]]) -> _Block:
     tokens, lengths = array.array("i"), []
     for _, text in block:
         ids = tokenizer.encode(text, add_bos=True, add_eos=True)
@@ -108,7 +108,7 @@ class _BlockDataset(IterableDataset):
         return _iter_blocks(*self.args, worker, num_workers)
 
 
-def _check_pickles(source: DocumentSource, tokenizer: Tokenizer) -> None:
+def _check_pickles(source: DocumentSource, tokenizer: BaseTokenizer) -> None:
     """Workers get pickled copies of source and tokenizer; the copy must encode exactly like the original,
     or batches would depend on num_workers (a pickled HF tokenizer forgets encode_special_tokens)."""
     decode = getattr(tokenizer, "decode", None)
@@ -241,7 +241,7 @@ class PackedDataLoader:
     workers: it must describe exactly the batches already yielded, and workers run ahead of those.
     """
 
-    def __init__(self, *, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+    def __init__(self, *, source: DocumentSource, tokenizer: BaseTokenizer, seq_len: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, num_workers: int, infinite: bool, document_masking: bool,
                  block_chars: int):
         self.source, self.tokenizer, self.seq_len, self.local_batch_size = source, tokenizer, seq_len, local_batch_size
@@ -374,7 +374,7 @@ def _check_epoch_size(loader: PackedDataLoader) -> None:
 
 
 def build_dataloader(
-    *, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+    *, source: DocumentSource, tokenizer: BaseTokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
     dp_degree: int, num_workers: int = 0, infinite: bool = True, document_masking: bool = False,
     block_chars: int = DEFAULT_BLOCK_CHARS,
 ) -> PackedDataLoader:
@@ -397,13 +397,11 @@ def build_dataloader(
     ):
         if wrong:
             raise ValueError(message)
-    from torchtitan.data import pretokenized  # here: it imports this module
-
-    if isinstance(source, pretokenized.PretokenizedSource):  # token shards: no tokenizing, no workers
-        return pretokenized.build_pretokenized_dataloader(
-            source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
-            dp_degree=dp_degree, infinite=infinite, document_masking=document_masking,
-        )  # fmt: skip
+    own_loader = getattr(source, "own_loader", None)  # (sources need only DocumentSource's iter_documents)
+    own = own_loader(tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                     dp_degree=dp_degree, infinite=infinite, document_masking=document_masking) if own_loader else None
+    if own is not None:  # token shards (torchtitan/data/pretokenized.py): no tokenizing, no workers
+        return own
     loader = PackedDataLoader(
         source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
         dp_degree=dp_degree, num_workers=num_workers, infinite=infinite, document_masking=document_masking,

@@ -75,6 +75,13 @@ def open_pretokenized(path: str, key_prefix: str = "training") -> PretokenizedSo
 class PretokenizedSource(DocumentSource):
     """The token stream of a pre-tokenized folder: shard files memmapped on demand, read by global offset."""
 
+    def own_loader(self, *, tokenizer: Any, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
+                   infinite: bool, document_masking: bool) -> PretokenizedDataLoader:
+        return build_pretokenized_dataloader(
+            source=self, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank,
+            dp_degree=dp_degree, infinite=infinite, document_masking=document_masking,
+        )  # fmt: skip
+
     def __init__(self, folder: Path, key_prefix: str, manifest: dict[str, Any]) -> None:
         super().__init__(str(folder), key_prefix, None)
         self.folder, key = folder, f"{key_prefix}.dataset_path: {folder}"

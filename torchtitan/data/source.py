@@ -43,6 +43,11 @@ class DocumentSource:
             logger.info(f"{self._label()}: skipped {self.skipped_documents} empty or non-text records "
                         f"(of records {start} onwards); their indexes stay reserved")  # fmt: skip
 
+    def own_loader(self, **loader_args: Any) -> Any:
+        """A loader this source builds itself (a pre-tokenized folder reads its windows by index), or None: the
+        dataloader then packs iter_documents (torchtitan/data/dataloader.py, which calls this with its arguments)."""
+        return None
+
     def _label(self) -> str:
         return f"{self.key_prefix}.dataset '{self.name}'"
 
