@@ -28,6 +28,7 @@ from torchtitan.config.manager import load_config, to_dict
 from torchtitan.config.resolve import Resolved
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
+from torchtitan.data.mixture import build_mixture_dataloader
 from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
@@ -76,20 +77,18 @@ class Trainer:
             )
         dp_mesh = parallel_dims.mesh("dp")
         t = cfg.training
-        source = build_document_source(dataset=t.dataset, dataset_path=t.dataset_path,
-                                       text_column=t.dataset_text_column, split=t.dataset_split,
-                                       streaming=t.dataset_streaming, key_prefix="training",
-                                       cache_dir=str(default_cache_dir() / "datasets"))
-        self.dataloader = build_dataloader(
-            source=source,
-            tokenizer=tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=dp_mesh.get_local_rank(),
-            dp_degree=dp_mesh.size(),
-            num_workers=t.num_workers,
-            document_masking=cfg.model.attn_mask_type == "block_causal",
-        )
+        source_args = dict(text_column=t.dataset_text_column, split=t.dataset_split, streaming=t.dataset_streaming,
+                           cache_dir=str(default_cache_dir() / "datasets"))
+        loader_args = dict(tokenizer=tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+                           dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(), num_workers=t.num_workers,
+                           document_masking=cfg.model.attn_mask_type == "block_causal")
+        if t.dataset_mixture:  # several weighted sources: docs/data.md, "Dataset mixtures"
+            self.dataloader = build_mixture_dataloader(entries=t.dataset_mixture, source_args=source_args,
+                                                       **loader_args)
+        else:
+            source = build_document_source(dataset=t.dataset, dataset_path=t.dataset_path, key_prefix="training",
+                                           **source_args)
+            self.dataloader = build_dataloader(source=source, **loader_args)
         self.loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
         self.loss_fn = cross_entropy_sum
         if cfg.compile.enable and "loss" in cfg.compile.components:
@@ -307,6 +306,7 @@ class Trainer:
             "skipped_steps": self.train_state.skipped_steps,
             **self.memory.snapshot(),
             **self.moe_metrics,
+            **getattr(self.dataloader, "mixture_metrics", dict)(),  # data/mix/<source>: realised fractions
             **validation,
         })
         # TensorBoard only: tokens per expert of each MoE layer on this rank (rank 0 writes: under pipeline

@@ -541,6 +541,7 @@ INVALID_VALUES = [
     (["--training.dataset_streaming", "maybe"], "training.dataset_streaming"),
     (["--training.num_workers", "-1"], "training.num_workers"),
     (["--training.on_nonfinite", "ignore"], "training.on_nonfinite"),
+    (["--training.dataset", "c4", "--training.dataset_mixture", "c4:1"], "training.dataset_mixture"),
     # validation (checked only when enabled, except the streaming choice)
     (["--validation.dataset_streaming", "yes"], "validation.dataset_streaming"),
     (["--validation.enable", "--validation.freq", "0"], "validation.freq"),

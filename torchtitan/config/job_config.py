@@ -75,6 +75,8 @@ class Training:
     """Dataset name from the registry (python_stdlib = the embedded default corpus)"""
     dataset_path: str = ""
     """Local file, folder or glob (json/jsonl/parquet/txt), hub dataset, or pre-tokenized folder; empty = registry"""
+    dataset_mixture: list[str] = field(default_factory=list)
+    """Weighted sources "name_or_path:weight", e.g. ["c4:0.7", "/data/code:0.3"]; replaces dataset/dataset_path"""
     dataset_text_column: str = "text"
     """Column (json/parquet/hub record field) holding each document's text"""
     dataset_split: str = "train"

@@ -121,6 +121,8 @@ def _check_training(cfg: JobConfig) -> None:
     _one_of("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     if t.num_workers < 0:
         _err(f"training.num_workers: must be >= 0, got {t.num_workers}")
+    if t.dataset_mixture:
+        _check_mixture(cfg)
     v = cfg.validation
     _one_of("validation.dataset_streaming", v.dataset_streaming, ("auto", "true", "false"))
     if v.enable:
@@ -130,6 +132,18 @@ def _check_training(cfg: JobConfig) -> None:
         for key in ("local_batch_size", "seq_len"):
             if getattr(v, key) == 0 or getattr(v, key) < -1:
                 _err(f"validation.{key}: must be -1 (same as training) or > 0, got {getattr(v, key)}")
+
+
+def _check_mixture(cfg: JobConfig) -> None:
+    from torchtitan.data.mixture import parse_mixture  # here: it imports torch
+
+    t = cfg.training
+    if t.dataset_path or t.dataset != JobConfig().training.dataset:
+        _err("training.dataset_mixture: set it or training.dataset / training.dataset_path, not both")
+    try:
+        parse_mixture(t.dataset_mixture)
+    except ValueError as e:
+        _err(str(e))
 
 
 def _check_parallelism(cfg: JobConfig) -> None:
