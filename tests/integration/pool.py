@@ -146,17 +146,32 @@ class RankPool:
         self._conns, self._procs = [], []
 
 
+# Jobs a pool runs before it is replaced by fresh processes. Every job's meshes create process groups, and gloo keeps
+# threads for each (a TCP loop and run loops) until its process ends: measured 2026-11-24, a 4-rank pool's ranks held
+# 1,033 threads each after ~30 layouts, and their polling took over half of the 2-core machine (57% system time, load
+# average above 50) for the rest of the suite, so that later tests timed out. Destroying a job's groups instead breaks
+# the next job: DTensor caches flattened meshes by layout, with their (destroyed) groups. A new pool costs ~1-3 s.
+JOBS_PER_POOL = 6
+
+
 class Pools:
-    """One live pool per world size for a test session, created on first use and replaced after a failure."""
+    """One live pool per world size for a test session, created on first use, replaced after a failure and after
+    JOBS_PER_POOL jobs."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]):
         self.log_dir, self.env = Path(log_dir), env
         self._pools: dict[int, RankPool] = {}
+        self._jobs: dict[int, int] = {}
         self._generation = 0
 
     def get(self, world: int) -> RankPool:
         pool = self._pools.get(world)
+        self._jobs[world] = self._jobs.get(world, 0) + 1
+        if pool is not None and pool.alive and self._jobs[world] > JOBS_PER_POOL:
+            pool.close()
+            pool = None
         if pool is None or not pool.alive:
+            self._jobs[world] = 1
             self._generation += 1
             pool = RankPool(world, self.log_dir / f"world{world}-{self._generation}", self.env)
             self._pools[world] = pool
