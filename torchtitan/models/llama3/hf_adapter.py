@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torchtitan.models.hf_common import close, require, same_tensor
+from torchtitan.models.hf_common import check_state_dict, close, require, same_tensor
 from torchtitan.models.llama3.args import RoPEScaling, TransformerModelArgs
 
 _DTYPE_NAMES = ("float32", "bfloat16")
@@ -95,23 +95,7 @@ class Llama3StateDictAdapter:
 
     def _check(self, side: str, got: dict[str, Any], expected: dict[str, str], optional: set[str]) -> None:
         """Raise on the first missing/unexpected key or wrong shape; `expected` maps key -> our key."""
-        for key in got:
-            if key not in expected:
-                raise KeyError(f"{side} state dict: unexpected key '{key}' for this model config")
-        for key, ours in expected.items():
-            if key not in got:
-                if key in optional:
-                    continue
-                raise KeyError(f"{side} state dict: missing key '{key}'")
-            value = got[key]
-            if not isinstance(value, Tensor):
-                raise TypeError(f"{side} state dict: '{key}' is a {type(value).__name__}, expected a Tensor")
-            if type(value) is not Tensor and type(value).__name__ == "DTensor":
-                raise TypeError(f"{side} state dict: '{key}' is a DTensor; gather it with .full_tensor() first")
-            if tuple(value.shape) != self.shapes[ours]:
-                raise ValueError(
-                    f"{side} state dict: '{key}' has shape {tuple(value.shape)}, expected {self.shapes[ours]}"
-                )
+        check_state_dict(side, got, {key: self.shapes[ours] for key, ours in expected.items()}, optional)
 
     # -- conversion ------------------------------------------------------------------------------
 
