@@ -20,8 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.unit.forked import in_child, run_ranks
+from torchtitan.components.model_parts import materialize
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.manager import load_config, parse_args
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.estimation.engine import (
     CATEGORIES,
     build_parallel_model,
@@ -58,10 +60,7 @@ def _measure(rank: int, args: list[str], world: int) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         parts, model_args, loss_parallel = build_parallel_model(cfg, resolved.parallel_dims, "cpu",
                                                                 pipeline=resolved.pipeline)
-        for part in parts:
-            part.to_empty(device="cpu")
-            with torch.no_grad():
-                part.init_weights(buffer_device=torch.device("cpu"))
+        materialize(parts, torch.device("cpu"), 0, dist_utils.param_init)  # as the trainer initialises
         optimizer = OptimizersContainer(parts, cfg.optimizer, "cpu")
         pipeline = build_pipeline(resolved.pipeline, parts, resolved.parallel_dims, cfg, torch.device("cpu"))
         pp_mesh = resolved.parallel_dims.mesh("pp") if pipeline is not None else None

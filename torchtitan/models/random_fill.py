@@ -63,6 +63,9 @@ class Fill:
         raise NotImplementedError
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if hasattr(tensor, "placements"):  # a DTensor: only its placements say which box this rank holds
+            raise TypeError("a sharded (DTensor) parameter is filled through torchtitan.distributed.utils.param_init "
+                            "(pass it as init_weights' param_init), which fills this rank's box of the tensor")
         self.fill_box(tensor, tuple(tensor.shape), (0,) * tensor.dim())
         return tensor
 
