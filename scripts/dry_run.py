@@ -27,17 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchtitan.config.errors import ConfigError  # noqa: E402
 from torchtitan.config.manager import load_config  # noqa: E402
 from torchtitan.estimation import dry_run  # noqa: E402
-from torchtitan.estimation.report import DEFAULT_GPU_RESERVE_GIB, device_capacity_gib  # noqa: E402
+from torchtitan.estimation.report import (  # noqa: E402
+    DEFAULT_GPU_RESERVE_GIB,
+    add_target_arguments,
+    device_capacity_gib,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     start = _T0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks (NGPU x NNODES)")
-    parser.add_argument("--device", default="h100", help="target device for the verdict (report.py's table), or cpu")
-    parser.add_argument("--memory-gib", type=float, default=None, help="device memory, overriding the table")
-    parser.add_argument("--reserve-gib", type=float, default=None,
-                        help=f"memory outside tensors (default {DEFAULT_GPU_RESERVE_GIB} on GPUs, 0 on cpu)")
+    add_target_arguments(parser)
     parser.add_argument("--no-verdict", action="store_true",
                         help="skip the memory estimate (layout, stages and parameters only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")

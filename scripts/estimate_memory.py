@@ -26,6 +26,7 @@ from torchtitan.estimation.engine import estimate  # noqa: E402
 from torchtitan.estimation.forked import in_child  # noqa: E402
 from torchtitan.estimation.report import (  # noqa: E402
     DEFAULT_GPU_RESERVE_GIB,
+    add_target_arguments,
     analytic,
     as_json,
     device_capacity_gib,
@@ -50,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None,
                         help="which rank to estimate (default 0; with pipeline parallel, one rank of every stage, "
                              "the worst reported)")
-    parser.add_argument("--device", default="h100", help="target device from the table, or cpu")
-    parser.add_argument("--memory-gib", type=float, default=None, help="device memory, overriding the table")
-    parser.add_argument("--reserve-gib", type=float, default=None,
-                        help=f"memory outside tensors (default {DEFAULT_GPU_RESERVE_GIB} on GPUs, 0 on cpu)")
+    add_target_arguments(parser)
     parser.add_argument("--exact", action="store_true",
                         help="run every transformer block instead of extrapolating from two shallower models")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")

@@ -28,6 +28,14 @@ DEVICE_MEMORY_GIB = {
 DEFAULT_GPU_RESERVE_GIB = 3.0
 
 
+def add_target_arguments(parser) -> None:
+    """The target-device options the estimator script and the dry run share (argparse)."""
+    parser.add_argument("--device", default="h100", help="target device from the table (report.py), or cpu")
+    parser.add_argument("--memory-gib", type=float, default=None, help="device memory, overriding the table")
+    parser.add_argument("--reserve-gib", type=float, default=None,
+                        help=f"memory outside tensors (default {DEFAULT_GPU_RESERVE_GIB} on GPUs, 0 on cpu)")
+
+
 def device_capacity_gib(device: str, memory_gib: float | None) -> float:
     if memory_gib is not None:
         if memory_gib <= 0:
