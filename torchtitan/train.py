@@ -155,9 +155,6 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=self.dump_folder, model_parts=self.model_parts, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.train_state,
-            pipeline_parallel=self.pipeline is not None,
-            stage_export_sender=all(parallel_dims.mesh(d).get_local_rank() == 0
-                                    for d in ("dp_replicate", "dp_shard", "cp", "tp")),
             model_args=model_args, world_size=parallel_dims.world_size, rank=self.rank,
         )
         if not cfg.checkpoint.create_seed_checkpoint:

@@ -121,9 +121,17 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
                                       "--checkpoint.last_save_in_hf", "true"), pp_run)
     problems = compare(resumed, _from_step(straight, 7))
     assert not problems, problems[:5]
-    # The export gathers every stage's weights on rank 0: a complete model that loads strictly.
+    # The export by shard (every rank its own rows, each stage's ranks their stages): a complete model that loads
+    # strictly and holds exactly the weights of the same step's DCP checkpoint.
+    import torch
+
+    from torchtitan.components.checkpoint_io import load_full_model_state
+
     state, model_args = load_hf(pp_run / "checkpoint" / f"step-{STEPS}-hf")
     Transformer(model_args).load_state_dict(state, strict=True)
+    dcp_state = load_full_model_state(pp_run / "checkpoint" / f"step-{STEPS}")
+    saved = {k.removeprefix("model."): v for k, v in dcp_state.items()}
+    assert set(saved) == set(state) and all(torch.equal(state[k], saved[k]) for k in state)
     for dest, nproc, layout in ((back, 4, FSDP4), (pp4, 4, PP4)):
         _resume_from(pp_run, 9, dest)
         again = train_layout(pools, nproc, (*CKPT, *layout), dest)

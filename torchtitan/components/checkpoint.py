@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from torchtitan.components import checkpoint_io as cio
 from torchtitan.components.checkpoint_io import CheckpointError, checkpoint_step_folders
@@ -73,8 +72,7 @@ class CheckpointManager:
     dataloader may be None (their state is skipped)."""
 
     def __init__(self, cfg: Checkpoint, *, dump_folder: str | Path, model_parts: list[nn.Module],
-                 optimizer: Any, lr_scheduler: Any, dataloader: Any, pipeline_parallel: bool = False,
-                 stage_export_sender: bool = True,
+                 optimizer: Any, lr_scheduler: Any, dataloader: Any,
                  train_state: TrainState, model_args: Any, world_size: int, rank: int) -> None:
         if cfg.async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode: unknown '{cfg.async_mode}'; use one of {', '.join(ASYNC_MODES)}")
@@ -91,9 +89,6 @@ class CheckpointManager:
         self.cfg = cfg
         self.folder = Path(dump_folder) / cfg.folder
         self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
-        # With pipeline parallel: whether this rank sends its stages' weights to rank 0 for a Hugging Face export
-        # (one rank per stage: coordinate 0 on every mesh dim but pp).
-        self.pipeline_parallel, self.stage_export_sender = pipeline_parallel, stage_export_sender
         self.dataloader, self.train_state, self.model_args = dataloader, train_state, model_args
         self.world_size, self.rank = world_size, rank
         distributed = dist.is_available() and dist.is_initialized()
@@ -201,40 +196,16 @@ class CheckpointManager:
             logger.info(f"checkpoint: not restored (excluded or not in the checkpoint): {', '.join(skipped)}")
 
     def _load_hf(self, path: Path) -> None:
-        from torchtitan.components.hf_io import load_hf
+        from torchtitan.components.hf_sharded import load_hf_sharded
 
         t0 = time.perf_counter()
-        if self._pg is not None and self.world_size > 1 and not self.pipeline_parallel:
-            # By shard (hf_sharded.py): every rank reads one block at a time and keeps only its own slices; no
-            # collective but the error report, and no rank ever holds the model (rank 0 does below).
-            from torchtitan.components.hf_sharded import load_hf_sharded
-
-            try:  # a failure on any rank raises on all (one all_gather_object on self._pg)
-                load_hf_sharded(path, self.model_parts, self.model_args, pg=self._pg)
-            except (RuntimeError, ValueError, OSError, KeyError, TypeError) as e:
-                raise CheckpointError(f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}: "
-                                      f"{cio.one_line(e)}") from e
-            logger.info(f"checkpoint: loaded model weights by shard from Hugging Face folder {path} "
-                        f"in {time.perf_counter() - t0:.2f}s")
-            return
-        # Only rank 0 reads the files and broadcasts each tensor into the others' shards: one copy of the
-        # full model in host memory per job instead of one per rank. This path works for FSDP2 DTensors on
-        # gloo and NCCL alike; every rank reading the full dict (full_state_dict without broadcast) works
-        # too, at world_size times the disk reads and host memory.
-        # With pipeline parallel every rank reads: the ranks hold different parts, and the broadcast is collective.
-        broadcast = self._pg is not None and self.world_size > 1 and not self.pipeline_parallel
-        holder: dict[str, Any] = {}
-
-        def read() -> None:
-            holder["sd"], _ = load_hf(path, self.model_args)  # adapter: the registered model with these args' class
-
-        if broadcast:
-            self._on_rank0(read, f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}")
-        else:
-            read()
-        sd = holder.get("sd", {})
-        load_model_state_dict(self.model_parts, sd, options=StateDictOptions(full_state_dict=True,
-                                                                             broadcast_from_rank0=broadcast))
+        # By shard (hf_sharded.py): every rank copies only its own rows out of the files, whatever the layout
+        # (pipeline stages included); no rank ever holds the model. The only collective is the error report.
+        try:  # a failure on any rank raises on all (one all_gather_object on self._pg)
+            load_hf_sharded(path, self.model_parts, self.model_args, pg=self._pg)
+        except (RuntimeError, ValueError, OSError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: cannot load Hugging Face folder {path}: "
+                                  f"{cio.one_line(e)}") from e
         logger.info(f"checkpoint: loaded model weights from Hugging Face folder {path} "
                     f"in {time.perf_counter() - t0:.2f}s")
 
@@ -386,37 +357,18 @@ class CheckpointManager:
             logger.warning(f"checkpoint: retention (checkpoint.keep_latest_k) failed: {cio.one_line(e)}")
 
     def _export_hf(self, step: int) -> None:
-        from torchtitan.components.hf_io import save_hf
+        from torchtitan.components.hf_sharded import save_hf_sharded
 
-        self.wait()  # the gather below and the error broadcast must not interleave with a background save
+        self.wait()  # the export's collectives must not interleave with a background save on self._pg
         t0 = time.perf_counter()
         out = self.folder / f"step-{step}-hf"
-        if self._pg is not None and not self.pipeline_parallel:
-            # By shard (hf_sharded.py): one block gathered at a time, each written by one rank; no rank ever holds
-            # the model. Collective over every rank (the blocks' all-gathers, then the file list on self._pg).
-            from torchtitan.components.hf_sharded import save_hf_sharded
-
-            try:
-                save_hf_sharded(out, model_state_dict(self.model_parts), self.model_args,
-                                dtype=self.cfg.export_dtype, pg=self._pg)
-            except (RuntimeError, ValueError, OSError) as e:  # raised alike on every rank
-                raise CheckpointError(f"checkpoint.last_save_in_hf: cannot write {out}: {cio.one_line(e)}") from e
-            logger.info(f"checkpoint: exported Hugging Face folder {out} by shard in {time.perf_counter() - t0:.2f}s")
-            return
-        # Collective: every rank contributes its shards, rank 0 receives the full tensors on CPU.
-        if self.pipeline_parallel and self._pg is not None:
-            # Rank 0 holds only its own stages. Every rank gathers its stages' full tensors (cpu_offload would keep
-            # them on global rank 0 only), one rank per stage sends them, and rank 0 merges.
-            full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True))
-            mine = {k: v.detach().cpu() for k, v in full.items()} if self.stage_export_sender else {}
-            del full
-            pieces: list[Any] = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(mine, pieces, dst=0, group=self._pg)
-            full = {k: v for piece in (pieces or []) if piece for k, v in piece.items()}
-        else:
-            full = model_state_dict(self.model_parts, StateDictOptions(full_state_dict=True, cpu_offload=True))
-        self._on_rank0(lambda: save_hf(out, full, self.model_args, dtype=self.cfg.export_dtype),
-                       f"checkpoint.last_save_in_hf: cannot write {out}")
+        # By shard (hf_sharded.py): every rank writes its own rows into files rank 0 laid out; no rank ever holds
+        # the model, with or without pipeline parallel. Collective over every rank (on self._pg).
+        try:
+            save_hf_sharded(out, model_state_dict(self.model_parts), self.model_args,
+                            dtype=self.cfg.export_dtype, pg=self._pg)
+        except (RuntimeError, ValueError, OSError) as e:  # raised alike on every rank
+            raise CheckpointError(f"checkpoint.last_save_in_hf: cannot write {out}: {cio.one_line(e)}") from e
         logger.info(f"checkpoint: exported Hugging Face folder {out} in {time.perf_counter() - t0:.2f}s")
 
     # ------------------------------------------------------------------ plumbing

@@ -19,7 +19,7 @@ adapter which one reads config.json.
 Only safetensors is read or written: no pickle, so loading a downloaded checkpoint cannot run code.
 Both functions work on full, plain tensors; with FSDP/TP gather the state dict first (e.g. with
 `get_model_state_dict(..., options=StateDictOptions(full_state_dict=True, cpu_offload=True))`) and
-call `save_hf` on one rank only, or use hf_sharded.py, which writes and reads one block at a time on every rank.
+call `save_hf` on one rank only, or use hf_sharded.py, where every rank writes and reads only its own rows.
 """
 
 from __future__ import annotations

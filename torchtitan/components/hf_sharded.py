@@ -1,89 +1,251 @@
-"""Hugging Face export and import by layer on every rank, without gathering the model anywhere.
+"""Hugging Face export and import by shard: every rank writes and reads only the rows it holds.
 
-`save_hf` / `load_hf` (hf_io.py) work on one full state dict: with FSDP/TP the trainer gathers the whole model on
-rank 0 (export) or reads it on rank 0 and broadcasts it (import), so rank 0 needs host memory for the full model.
-Here the work goes one *group* at a time: a group is one transformer block (every key under `layers.{i}.`) or the
-rest (embeddings, final norm, output). Per rank the extra memory is one group's full tensors, about
-1/n_layers of the model, whatever the model's size.
+`save_hf` / `load_hf` (hf_io.py) work on one full state dict, which someone must hold. Here no rank ever holds
+more than its own shards plus a bounded chunk (`CHUNK_BYTES`), whatever the model's size and layout (FSDP, TP,
+HSDP, EP, pipeline stages, or one process).
 
-Export (`save_hf_sharded`), on every rank of the job, groups in a fixed order:
+What moves where is the model adapter's `row_links` (torchtitan/models/hf_common.py `RowLink`): rows of which HF
+tensor each of our tensors' rows are (a rename, the rotary permutation of wq/wk rows, the split of stacked experts
+into one matrix per expert). The adapter's `to_hf` / `from_hf` still run, on stand-ins that hold no memory (meta
+tensors; 1-D ones real), for what they check and decide: keys and shapes, HF shapes and dtypes, values that come
+from nowhere (a zero routing bias), warnings.
 
-* every rank calls `full_tensor()` on each DTensor of the group, in the same order: it is an all-gather over the
-  parameter's own mesh (FSDP, TP or both), a collective every rank of that mesh must join;
-* the group's writer (group index modulo world size, so files spread over ranks) runs the model's adapter `to_hf`
-  on the group and writes one file `model-0000k-of-0000N.safetensors`; the other ranks drop the tensors at once;
-* at the end one `all_gather_object` on `group` brings every writer's key -> file map (or its error) to every
-  rank; rank 0 writes `model.safetensors.index.json` and config.json and publishes the folder atomically.
+Export (`save_hf_sharded`), a collective over `pg`:
+* every rank plans the same files from shapes alone (one file per block and one for the rest, as `save_hf`
+  names them; safetensors_slices.py), and rank 0 creates them at full size with their headers;
+* each rank writes, for each tensor it holds, the rows its placements give it (a DTensor's local box, found by
+  DTensor's own placement logic, _StridedShard included), converted to the export dtype, by `pwrite` at their
+  offsets. Of replicas (a Replicate mesh dim, or a plain tensor held by several ranks) only one writes;
+* the elements written per HF tensor are summed over ranks (one all_reduce) and must equal its size: a hole or a
+  double write fails the export. Rank 0 then writes the index and config.json and publishes the folder atomically.
 
-The adapter needs no change: it is given the whole state dict, with the group's real tensors and, for every other
-key, a stand-in of the right shape that holds no memory (a meta tensor; 1-D keys, norms and routing biases, are
-real zeros because adapters look at their values). Only outputs whose key belongs to the group are kept, so
-renames, rotary permutations inside heads and the splitting/stacking of experts all apply exactly as in `save_hf`.
-
-Import (`load_hf_sharded`): every rank reads the group's Hugging Face tensors (safetensors `safe_open`, only those
-keys; the other keys' shapes come from the file headers), runs `from_hf` the same way, and copies into each
-parameter's local shard only the slice it owns (`distribute_tensor(..., src_data_rank=None)`: DTensor cuts its own
-placements, _StridedShard included, without communication). Only a final all_gather_object reports errors. Each
-rank reads the whole file set once, so disk reads are world-size times the model; memory stays one group.
-
-Both need the same parameters on every rank: pipeline parallel (ranks holding different layers) uses hf_io.
+Import (`load_hf_sharded`): each rank maps the files read-only and copies into its local shards exactly their rows
+and columns; one all_gather_object reports any rank's failure. Disk reads and memory are the rank's shards.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import uuid
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from torchtitan.components import hf_io
+from torchtitan.components.safetensors_slices import Entry, Reader, create_file, plan_file, read_entries, write_rows
+from torchtitan.models.hf_common import RowLink
 from torchtitan.tools.fs import fsync_dir
 
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_TOP = -1  # group of every key outside the blocks
+CHUNK_BYTES = 32 << 20
+"""Rows are converted and written (or read) this many bytes at a time: the only temporary besides the shards."""
 
 
-def group_of(key: str) -> int:
-    """Block index of an our- or HF-side key (`layers.3.` / `model.layers.3.`), `_TOP` for the rest."""
-    m = _LAYER.match(key)
-    return int(m.group(1)) if m else _TOP
-
-
-def _stand_in(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    # Meta holds no memory; 1-D tensors are real zeros since adapters test values there (a nonzero routing bias).
-    if len(shape) == 1:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _convert(fn: Any, real: dict[str, Tensor], stand_ins: dict[str, Tensor], group: int) -> dict[str, Tensor]:
-    """`fn` (an adapter's to_hf / from_hf) on the stand-ins overlaid with `real`; the outputs of `group` only."""
-    out = fn({**stand_ins, **real})
-    kept = {k: v for k, v in out.items() if group_of(k) == group}
-    meta = [k for k, v in kept.items() if v.is_meta]
-    if meta:  # a conversion mixing blocks would need a larger group: fail rather than write an empty tensor
-        raise RuntimeError(f"'{meta[0]}' depends on keys outside its block; use save_hf / load_hf")
-    return kept
-
-
-def _groups(keys: list[str]) -> list[int]:
-    """Group order: embeddings and the rest first (as HF's files do), then blocks in index order."""
-    return sorted({group_of(k) for k in keys})
+def _group(key: str) -> int:
+    """Block index of an HF key (`model.layers.3.`), -1 for the rest: the file it goes to."""
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 def _world(pg: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def _stand_in(t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A value for an adapter's to_hf/from_hf: a plain 1-D tensor itself (adapters test values there, e.g. a
+    nonzero routing bias), other 1-D ones zeros, everything else meta (no memory)."""
+    if len(shape) == 1:
+        return t if t is not None and not isinstance(t, DTensor) else torch.zeros(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which rows and columns a rank holds
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sharded_dim(p: Any) -> int | None:
+    """The tensor dimension a placement cuts: Shard's and _StridedShard's `dim` (torch 2.13's _StridedShard is not
+    a Shard, so `is_shard()` misses it), None for Replicate and Partial."""
+    dim = getattr(p, "dim", None)
+    return dim if isinstance(dim, int) else None
+
+
+def _dim_indices(t: Tensor) -> list[Tensor]:
+    """For each dimension, the global indices this rank's local tensor holds, in local order. DTensor cuts each
+    dimension independently, so cutting an index vector with the placements that shard that dimension (the others
+    made Replicate) gives them exactly, uneven and strided shards included, without communication."""
+    if not isinstance(t, DTensor):
+        return [torch.arange(n) for n in t.shape]
+    out = []
+    for d, n in enumerate(t.shape):
+        placements = [p if _sharded_dim(p) == d else Replicate() for p in t.placements]
+        index = torch.arange(n).reshape([n if i == d else 1 for i in range(t.dim())])
+        out.append(distribute_tensor(index, t.device_mesh, placements, src_data_rank=None).to_local().flatten())
+    return out
+
+
+def _local_rows_cols(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(global row ids of the local rows in local order, global column ids): the tensor seen as rows of its last
+    dimension, as in RowLink."""
+    dims = _dim_indices(t) if t.dim() else [torch.zeros(1, dtype=torch.long)]
+    rows = torch.zeros(1, dtype=torch.long)
+    for d in range(len(dims) - 1):
+        rows = (rows[:, None] * t.shape[d] + dims[d][None, :]).flatten()
+    return rows, dims[-1]
+
+
+def _as_rows(rows: range | Tensor | None, n: int) -> Tensor:
+    if rows is None:
+        return torch.arange(n)
+    return torch.arange(rows.start, rows.stop, rows.step) if isinstance(rows, range) else rows.long()
+
+
+def _match(link: RowLink, our_n: int, hf_n: int, local_rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(local row positions, HF rows) of the link's rows this rank holds, ordered by HF row."""
+    ours, hf = _as_rows(link.our_rows, our_n), _as_rows(link.hf_rows, hf_n)
+    if ours.numel() != hf.numel():
+        raise ValueError(f"row link {link.our_key} -> {link.hf_key}: {ours.numel()} rows against {hf.numel()}")
+    if local_rows.numel() == 0:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    order = torch.argsort(local_rows)
+    held = local_rows[order]
+    pos = torch.searchsorted(held, ours).clamp(max=held.numel() - 1)
+    hit = held[pos] == ours
+    local, hf = order[pos[hit]], hf[hit]
+    by_hf = torch.argsort(hf)
+    return local[by_hf], hf[by_hf]
+
+
+def _n_rows(shape: torch.Size | tuple[int, ...]) -> int:
+    n = 1
+    for s in tuple(shape)[:-1]:
+        n *= s
+    return n
+
+
+def _chunks(n_rows: int, row_bytes: int) -> list[slice]:
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    return [slice(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]
+
+
+def _local2d(t: Tensor, n_rows: int, n_cols: int) -> Tensor:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.detach().reshape(n_rows, n_cols)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _plan(adapter: Any, state_dict: dict[str, Any], target: torch.dtype, fp32: tuple[str, ...]
+          ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], list[RowLink]]:
+    """HF key -> (shape, dtype) of the export, from the adapter run on stand-ins (its checks included), and the
+    links. Every HF tensor must be linked or be zeros that `to_hf` made from nothing (its rows stay unwritten)."""
+    full = {k: _stand_in(None, tuple(shape), torch.float32) for k, shape in adapter.shapes.items()}
+    by_id: dict[int, Tensor] = {}  # a tied model's alias stays one tensor (adapters compare identity)
+    for k, v in state_dict.items():
+        full[k] = by_id.setdefault(id(v), _stand_in(v, tuple(v.shape), v.dtype))
+    hf_sd = adapter.to_hf(full)
+    links = adapter.row_links(None)
+    linked = {link.hf_key for link in links}
+    for key in linked - set(hf_sd):
+        raise ValueError(f"row link to '{key}', which to_hf does not produce")
+    for key, v in hf_sd.items():
+        if key not in linked and (v.is_meta or bool(v.ne(0).any())):
+            raise ValueError(f"the adapter links no rows to HF tensor '{key}'")
+    shapes = {k: (tuple(v.shape), torch.float32 if k.endswith(fp32) else target) for k, v in hf_sd.items()}
+    return shapes, links
+
+
+def _files(folder: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+           ) -> tuple[dict[str, tuple[bytes, dict[str, Entry]]], dict[str, Entry]]:
+    """One file per group (the rest first, then blocks in order), named as save_hf names them."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for key in shapes:
+        groups[_group(key)].append(key)
+    order = sorted(groups)
+    files, entries = {}, {}
+    for k, g in enumerate(order, start=1):
+        name = hf_io._shard_name(k, len(order))
+        head, ents = plan_file(folder / name, [(key, *shapes[key]) for key in groups[g]], {"format": "pt"})
+        files[name] = (head, ents)
+        entries.update(ents)
+    return files, entries
+
+
+def _write_own(state_dict: dict[str, Any], links: list[RowLink], entries: dict[str, Entry],
+               mine: set[str]) -> dict[str, int]:
+    """Write this rank's rows of every linked tensor it writes; elements written per HF key."""
+    by_ours: dict[str, list[RowLink]] = defaultdict(list)
+    for link in links:
+        by_ours[link.our_key].append(link)
+    written: dict[str, int] = defaultdict(int)
+    fds: dict[Path, int] = {}
+    seen: set[int] = set()
+    try:
+        for key, t in state_dict.items():
+            if key not in mine or id(t) in seen:
+                continue
+            seen.add(id(t))  # an alias (tied output) is written once, through its own links only
+            rows, cols = _local_rows_cols(t)
+            local = _local2d(t, rows.numel(), cols.numel())
+            n_ours = _n_rows(t.shape)
+            for link in by_ours[key]:
+                entry = entries[link.hf_key]
+                pos, hf_rows = _match(link, n_ours, entry.rows, rows)
+                if entry.path not in fds:
+                    fds[entry.path] = os.open(entry.path, os.O_WRONLY)
+                for part in _chunks(pos.numel(), cols.numel() * local.element_size()):
+                    written[link.hf_key] += write_rows(fds[entry.path], entry, hf_rows[part], cols, local[pos[part]])
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return written
+
+
+def _shard_index(t: Tensor) -> int:
+    """Which shard of its tensor this rank holds: its coordinates on the mesh dimensions that cut the tensor, as
+    one number (0 for a plain tensor). Ranks with the same index hold the same rows: replicas."""
+    if not isinstance(t, DTensor):
+        return 0
+    index = 0
+    for m, p in enumerate(t.placements):
+        if _sharded_dim(p) is not None:
+            index = index * t.device_mesh.size(m) + t.device_mesh.get_local_rank(m)
+    return index
+
+
+def _elect_writers(state_dict: dict[str, Any], keys: list[str], pg: dist.ProcessGroup | None, rank: int,
+                   world: int) -> set[str]:
+    """The keys whose rows this rank writes: of the ranks holding the same shard of a tensor (a Replicate mesh
+    dimension, a mesh that spans only part of the job, a plain tensor in every rank), the lowest. One MIN
+    all_reduce over a keys x shards table; no rank needs to know the others' meshes."""
+    table = torch.full((len(keys), world), world, dtype=torch.int32)
+    slot = {k: i for i, k in enumerate(keys)}
+    for key, t in state_dict.items():
+        if key in slot:
+            table[slot[key], _shard_index(t)] = rank
+    if world > 1:
+        summed = table.to(_reduce_device(pg))
+        dist.all_reduce(summed, op=dist.ReduceOp.MIN, group=pg)
+        table = summed.cpu()
+    return {key for key, t in state_dict.items() if key in slot and int(table[slot[key], _shard_index(t)]) == rank}
+
+
+def _reduce_device(pg: dist.ProcessGroup | None) -> torch.device:
+    backend = str(dist.get_backend(pg))
+    return torch.device("cpu") if ("gloo" in backend or "fake" in backend) else torch.device("cuda")
 
 
 def save_hf_sharded(
@@ -97,11 +259,11 @@ def save_hf_sharded(
     model: str | type | None = None,
     pg: dist.ProcessGroup | None = None,
 ) -> Path:
-    """Collective over `pg` (default: the world): write our sharded (DTensor) or plain state dict as an HF folder.
+    """Collective over `pg` (default: the world): write the model as an HF folder, each rank its own rows.
 
-    Every rank passes its own `model_state_dict(parts)` (same keys everywhere, no pipeline parallel) and the same
-    arguments; the folder must be on a filesystem every rank sees. Returns the folder on every rank; a failure on
-    any rank raises on every rank and leaves no folder behind.
+    Every rank passes its own `model_state_dict(parts)` (DTensors or plain tensors; with pipeline parallel, its
+    stages' keys) and the same arguments; the folder must be on a filesystem every rank sees. Returns the folder
+    on every rank; a failure on any rank raises on every rank and leaves no folder behind.
     """
     folder = Path(folder)
     if dtype not in hf_io._DTYPES:
@@ -109,75 +271,65 @@ def save_hf_sharded(
     rank, world = _world(pg)
     adapter_cls = hf_io.adapter_for(model, model_args)
     adapter = adapter_cls(model_args)
-    target = hf_io._DTYPES[dtype]
-    fp32 = tuple(getattr(adapter_cls, "FLOAT32_HF_KEY_SUFFIXES", ()))
-    # Stand-ins keep a tied model's aliasing (output.weight is tok_embeddings.weight): one stand-in per tensor.
-    by_id: dict[int, Tensor] = {}
-    stand_ins = {k: by_id.setdefault(id(v), _stand_in(v.shape, v.dtype)) for k, v in state_dict.items()}
-    groups = _groups(list(state_dict))
-    n = len(groups)
+    shapes, links = _plan(adapter, state_dict, hf_io._DTYPES[dtype],
+                          tuple(getattr(adapter_cls, "FLOAT32_HF_KEY_SUFFIXES", ())))
+    mine = _elect_writers(state_dict, sorted({link.our_key for link in links}), pg, rank, world)
 
-    # Rank 0 names the temporary folder (hidden sibling, so the final rename is atomic) and tells the others.
+    # Rank 0 creates the temporary folder (hidden sibling, so the final rename is atomic) and every file at its
+    # full size; the broadcast that tells the others the folder's name also tells them the files exist.
+    files, entries = _files(Path("."), shapes)
     box: list[Any] = [None]
     if rank == 0:
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
-            box[0] = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            box[0].mkdir()
-        except OSError as e:  # sent instead of the name, so no rank waits in an all-gather rank 0 never joins
+            tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            box[0] = tmp
+            for name, (head, ents) in files.items():
+                create_file(tmp / name, head, ents)
+        except OSError as e:  # sent instead of the name, so no rank waits in a collective rank 0 never joins
             box[0] = f"rank 0: {type(e).__name__}: {e}"
     if world > 1:
         dist.broadcast_object_list(box, src=0, group=pg)
     if isinstance(box[0], str):
         raise RuntimeError(f"Hugging Face export by shard to {folder} failed: {box[0]}")
-    tmp: Path = box[0]
+    tmp = box[0]
+    entries = {k: Entry(tmp / e.path, e.offset, e.shape, e.dtype) for k, e in entries.items()}
 
-    weight_map: dict[str, str] = {}
-    total = 0
+    keys = list(shapes)
+    counts = torch.zeros(len(keys) + 1, dtype=torch.float64)  # the last slot counts failed ranks
     error: str | None = None
-    for k, g in enumerate(groups, start=1):
-        writer = (k - 1) % world
-        real: dict[str, Tensor] = {}
-        gathered: dict[int, Tensor] = {}
-        for key, v in state_dict.items():
-            if group_of(key) != g:
-                continue
-            if id(v) not in gathered:
-                # All-gather over the parameter's mesh: every rank must call it, in this same order.
-                full = v.full_tensor() if isinstance(v, DTensor) else v
-                gathered[id(v)] = full.detach().cpu() if rank == writer else full.new_empty(0)
-                del full  # a non-writer keeps nothing of the group
-            real[key] = gathered[id(v)]
-        if rank != writer or error is not None:
-            continue
-        try:
-            hf_sd = _convert(adapter.to_hf, real, stand_ins, g)
-            # Keys the adapter keeps in float32 whatever `dtype` (see save_hf).
-            part = {key: t.detach().to(dtype=torch.float32 if key.endswith(fp32) else target).contiguous()
-                    for key, t in hf_sd.items()}
-            name = hf_io._shard_name(k, n)
-            save_file(part, str(tmp / name), metadata={"format": "pt"})
-            hf_io._fsync_file(tmp / name)
-            for key, t in part.items():
-                weight_map[key] = name
-                total += t.numel() * t.element_size()
-        except Exception as e:  # reported after the loop: leaving it early would hang the others' all-gathers
-            error = f"rank {rank}: {type(e).__name__}: {e}"
-        del real, gathered
-
-    # Every rank learns every writer's files, and whether any rank failed.
-    reports: list[Any] = [(weight_map, total, error)]
+    try:
+        written = _write_own(state_dict, links, entries, mine)
+        counts[:-1] = torch.tensor([float(written.get(k, 0)) for k in keys], dtype=torch.float64)
+    except Exception as e:  # reported through the sum below: leaving early would hang the others
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+        counts[-1] = 1
     if world > 1:
-        reports = [None] * world
-        dist.all_gather_object(reports, (weight_map, total, error), group=pg)
-    errors = [e for _, _, e in reports if e]
+        device = _reduce_device(pg)
+        summed = counts.to(device)
+        dist.all_reduce(summed, group=pg)  # exact in float64 up to 2**53 elements per tensor
+        counts = summed.cpu()
+    errors: list[str] = []
+    if counts[-1] > 0:
+        errors.append(error or f"{int(counts[-1])} other rank(s) failed to write their rows")
+    else:
+        linked = {link.hf_key for link in links}
+        for k, n in zip(keys, counts[:-1].tolist(), strict=True):
+            want = entries[k].rows * entries[k].cols
+            if k in linked and int(n) != want:
+                errors.append(f"'{k}' got {int(n)} of {want} elements from the ranks (a shard written twice or "
+                              "not at all)")
+                break
     if rank == 0 and not errors:
         try:
-            merged = {key: name for wm, _, _ in reports for key, name in wm.items()}
-            hf_io._write_json(tmp / hf_io.INDEX_NAME, {"metadata": {"total_size": sum(t for _, t, _ in reports)},
-                                                       "weight_map": merged})
+            weight_map = {key: e.path.name for key, e in entries.items()}
+            total = sum(e.nbytes for e in entries.values())
+            hf_io._write_json(tmp / hf_io.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
             config = adapter_cls.hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)
             hf_io._write_json(tmp / hf_io.CONFIG_NAME, config)
+            for name in files:
+                hf_io._fsync_file(tmp / name)
             fsync_dir(tmp)
             hf_io._publish(tmp, folder)
         except Exception as e:
@@ -193,14 +345,18 @@ def save_hf_sharded(
     return folder
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Import
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def _key_files(folder: Path) -> dict[str, Path]:
     """HF key -> the safetensors file holding it, from the index or the single file."""
     single, index = folder / hf_io.SINGLE_NAME, folder / hf_io.INDEX_NAME
     if single.is_file() and index.is_file():
         raise ValueError(f"{folder}: has both {hf_io.SINGLE_NAME} and {hf_io.INDEX_NAME}; remove the stale one")
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {key: single for key in f.keys()}
+        return {key: single for key in read_entries(single)}
     if not index.is_file():
         raise FileNotFoundError(f"{folder}: no {hf_io.SINGLE_NAME} or {hf_io.INDEX_NAME}")
     weight_map = hf_io._read_json(index).get("weight_map")
@@ -217,43 +373,47 @@ def _key_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-def _read(files: dict[str, Path], keys: list[str]) -> dict[str, Tensor]:
-    """Only `keys`, opening each file once (safe_open maps the file and copies out just these tensors)."""
-    out: dict[str, Tensor] = {}
-    for path in sorted({files[k] for k in keys}):
-        with safe_open(str(path), framework="pt") as f:
-            present = set(f.keys())
-            for key in keys:
-                if files[key] == path:
-                    if key not in present:
-                        raise KeyError(f"{path}: tensor '{key}' is listed but not found in its shard")
-                    out[key] = f.get_tensor(key)
-    return out
-
-
-def _headers(files: dict[str, Path]) -> dict[str, Tensor]:
-    """A stand-in for every HF key, from the file headers only (no tensor data is read)."""
-    out: dict[str, Tensor] = {}
+def _entries(folder: Path) -> dict[str, Entry]:
+    files = _key_files(folder)
+    out: dict[str, Entry] = {}
     for path in sorted(set(files.values())):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if files.get(key) == path:
-                    sl = f.get_slice(key)
-                    dtype = getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
-                                            "I64": "int64"}.get(sl.get_dtype(), "float32"))
-                    out[key] = _stand_in(tuple(sl.get_shape()), dtype)
+        for key, entry in read_entries(path).items():
+            if files.get(key) == path:
+                out[key] = entry
+    missing = sorted(set(files) - set(out))
+    if missing:
+        raise KeyError(f"{files[missing[0]]}: tensor '{missing[0]}' is listed but not found in its shard")
     return out
 
 
 def _copy_local(param: Tensor, full: Tensor) -> None:
-    """Copy into `param` (DTensor or plain) the part of the full tensor `full` that this rank holds."""
+    """Copy into `param` (DTensor or plain) the part of the small full tensor `full` that this rank holds."""
     if not isinstance(param, DTensor):
         param.copy_(full)
         return
-    # src_data_rank=None: every rank cuts its own piece from its own full tensor, no communication. DTensor's own
-    # cutting, so any placement the parameter has (Shard, the _StridedShard of FSDP over TP) comes out right.
     piece = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     param.to_local().copy_(piece.to_local())
+
+
+def _read_own(t: Tensor, key: str, links: list[RowLink], entries: dict[str, Entry], n_ours: int,
+              reader: Reader) -> None:
+    """Fill the local rows of `t` from the files; every local row exactly once."""
+    rows, cols = _local_rows_cols(t)
+    local = t.to_local() if isinstance(t, DTensor) else t
+    target = local.view(rows.numel(), cols.numel()) if local.is_contiguous() else local.reshape(rows.numel(), -1)
+    filled = torch.zeros(rows.numel(), dtype=torch.bool)
+    for link in links:
+        entry = entries[link.hf_key]
+        pos, hf_rows = _match(link, n_ours, entry.rows, rows)
+        if bool(filled[pos].any()):
+            raise ValueError(f"'{key}': rows linked twice (adapter row_links)")
+        filled[pos] = True
+        for part in _chunks(pos.numel(), cols.numel() * entry.itemsize):
+            target[pos[part]] = reader.read_rows(entry, hf_rows[part], cols).to(target.dtype)
+    if not bool(filled.all()):
+        raise KeyError(f"'{key}': {int((~filled).sum())} of its rows have no source in the checkpoint")
+    if target.data_ptr() != local.data_ptr():
+        local.copy_(target.view(local.shape))
 
 
 def load_hf_sharded(
@@ -264,7 +424,7 @@ def load_hf_sharded(
     model: str | type | None = None,
     pg: dist.ProcessGroup | None = None,
 ) -> None:
-    """Fill the (sharded) parameters and buffers of `parts` from an HF folder, each rank its own slices.
+    """Fill the (sharded) parameters and buffers of `parts` from an HF folder, each rank its own rows.
 
     Reading needs no communication; with `pg`, one all_gather_object at the end raises a failure of any rank on
     every rank of `pg` (without it, each rank may call this on its own). config.json must match `model_args`.
@@ -289,22 +449,29 @@ def _load_own(folder: Path, parts: list[nn.Module], model_args: Any, model: str 
 
     adapter_cls, args = hf_io.resolve_folder(folder, model_args, model)
     adapter = adapter_cls(args)
-    files = _key_files(folder)
-    stand_ins = _headers(files)
-    # The parts' own state dict: sharded DTensors viewing the parameters' storage, so copies land in the model.
-    targets = model_state_dict(parts)
-    filled: set[str] = set()
+    entries = _entries(folder)
+    reader = Reader()
+    # from_hf on stand-ins: its key and shape checks, and the values it makes itself (zero routing biases).
+    stand_ins = {k: reader.read_rows(e, torch.zeros(1, dtype=torch.long), torch.arange(e.cols))[0]
+                 if len(e.shape) == 1 else _stand_in(None, e.shape, e.dtype) for k, e in entries.items()}
+    ours = adapter.from_hf(stand_ins)
+    by_ours: dict[str, list[RowLink]] = defaultdict(list)
+    for link in adapter.row_links(set(entries)):
+        if link.hf_key in entries:  # an optional key the checkpoint leaves out: from_hf supplies the value
+            by_ours[link.our_key].append(link)
+    targets = model_state_dict(parts)  # sharded DTensors viewing the parameters' storage
+    done: set[int] = set()
     with torch.no_grad():
-        for g in _groups(list(stand_ins)):
-            real = _read(files, [k for k in stand_ins if group_of(k) == g])
-            ours = _convert(adapter.from_hf, real, stand_ins, g)
-            del real
-            for key, t in ours.items():
-                if key in targets:
-                    _copy_local(targets[key], t)
-                    filled.add(key)
-            del ours
-    # As strict as load_state_dict on the gathered path: no parameter or persistent buffer may keep its old value.
-    missing = sorted(set(targets) - filled)
-    if missing:
-        raise KeyError(f"{folder}: nothing in the checkpoint for '{missing[0]}' ({len(missing)} keys)")
+        for key, t in targets.items():
+            if id(t) in done:  # a tied alias, filled through the tensor it aliases
+                continue
+            if key in by_ours:
+                _read_own(t, key, by_ours[key], entries, _n_rows(t.shape), reader)
+            elif key in ours and not ours[key].is_meta:
+                _copy_local(t, ours[key])
+            elif key in ours and any(other != key and ours.get(other) is ours[key] for other in by_ours):
+                continue  # an alias whose source is filled under its own name
+            else:
+                raise KeyError(f"{folder}: nothing in the checkpoint for '{key}'")
+            done.add(id(t))
+    reader.close()

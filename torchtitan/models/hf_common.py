@@ -4,6 +4,7 @@ config.json reading."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,3 +52,36 @@ def require(cfg: dict[str, Any], key: str, source: str) -> Any:
 def close(a: float, b: float) -> bool:
     """Equal as config floats (rope theta, norm eps): a round trip through JSON may change the last digit."""
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+@dataclass(frozen=True)
+class RowLink:
+    """Rows `hf_rows` of the Hugging Face tensor `hf_key` are rows `our_rows` of our tensor `our_key`, in that order.
+
+    A tensor's rows are its last dimension's vectors, every other dimension flattened (a 1-D tensor is one row);
+    the two tensors' last dimensions are equal. `None` means all of the tensor's rows in order. An adapter's
+    `row_links` lists them for every tensor that export and import by shard (torchtitan/components/hf_sharded.py)
+    move: each rank then writes and reads only the rows it holds, and `to_hf` / `from_hf` run on stand-ins only."""
+
+    hf_key: str
+    our_key: str
+    hf_rows: range | Tensor | None = None
+    our_rows: range | Tensor | None = None
+
+
+def expert_links(our_key: str, shape: tuple[int, ...], hf_prefix: str, name: str, fused: bool) -> list[RowLink]:
+    """Links of one stacked expert tensor (w1/w3 [experts, hidden, dim] or w2 [experts, dim, hidden]) named `name`
+    (gate_proj, up_proj, down_proj) on the HF side, under `hf_prefix` (`model.layers.{i}.mlp.experts.`).
+
+    On disk each expert j is its own matrix `{prefix}{j}.{name}.weight`: our rows j*n .. (j+1)*n. In transformers'
+    fused layout `gate_up_proj` [experts, 2 x hidden, dim] holds each expert's gate rows then its up rows, and
+    `down_proj` is our w2 as is."""
+    experts, n = shape[0], shape[1]
+    if not fused:
+        return [RowLink(f"{hf_prefix}{j}.{name}.weight", our_key, our_rows=range(j * n, (j + 1) * n))
+                for j in range(experts)]
+    if name == "down_proj":
+        return [RowLink(hf_prefix + "down_proj", our_key)]
+    first = 0 if name == "gate_proj" else n
+    hf_rows = (torch.arange(experts)[:, None] * 2 * n + first + torch.arange(n)[None, :]).flatten()
+    return [RowLink(hf_prefix + "gate_up_proj", our_key, hf_rows=hf_rows)]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, YaRNScaling
-from torchtitan.models.hf_common import check_state_dict, require
+from torchtitan.models.hf_common import RowLink, check_state_dict, expert_links, require
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.tools.logging import logger
 
@@ -149,6 +149,21 @@ class DeepSeekV3StateDictAdapter:
                                for name in _EXPERT_KEYS.values()})
         return shapes
 
+    def row_links(self, hf_keys: set[str] | None = None) -> list[RowLink]:
+        """Which rows of which HF tensor each of our tensors is (for export and import by shard): renames (the
+        routing bias included), and the experts per expert, or fused for layers whose `gate_up_proj` is in
+        `hf_keys`. Without our bias, HF's is zeros (export leaves its rows unwritten: zeros)."""
+        links = []
+        for ours, shape in self.shapes.items():
+            if ours in self.to_hf_keys:
+                links.append(RowLink(self.to_hf_keys[ours], ours))
+                continue
+            layer, _, key = ours.removeprefix("layers.").partition(".")
+            prefix = f"model.layers.{layer}.mlp.experts."
+            fused = hf_keys is not None and prefix + "gate_up_proj" in hf_keys
+            links += expert_links(ours, shape, prefix, _EXPERT_KEYS[key], fused)
+        return links
+
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our full state dict -> HF state dict in the on-disk layout (one matrix per expert). No copies: expert
         matrices are views of our stacked tensors (safetensors writes non-overlapping views fine)."""
@@ -170,9 +185,9 @@ class DeepSeekV3StateDictAdapter:
         return out
 
     def _zero_bias(self, state_dict: dict[str, Tensor], layer: str) -> Tensor:
-        # fp32 like the bias buffers on both sides (transformers keeps e_score_correction_bias in fp32)
-        device = state_dict[f"layers.{layer}.moe.router.gate.weight"].device
-        return torch.zeros(self.model_args.moe.num_experts, dtype=torch.float32, device=device)
+        # fp32 like the bias buffers on both sides (transformers keeps e_score_correction_bias in fp32). On the CPU,
+        # whatever the router's device: real zeros even when the others are stand-ins (export by shard checks them).
+        return torch.zeros(self.model_args.moe.num_experts, dtype=torch.float32)
 
     def _drop_mtp_layers(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Without the multi-token-prediction layers (index >= n_layers, holding an `eh_proj`), which our model has

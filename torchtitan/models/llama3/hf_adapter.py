@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from torchtitan.models.hf_common import check_state_dict, close, require, same_tensor
+from torchtitan.models.hf_common import RowLink, check_state_dict, close, require, same_tensor
 from torchtitan.models.llama3.args import RoPEScaling, TransformerModelArgs
 
 _DTYPE_NAMES = ("float32", "bfloat16")
@@ -148,6 +149,21 @@ class Llama3StateDictAdapter:
         if tied:
             out["output.weight"] = out["tok_embeddings.weight"]
         return out
+
+    def row_links(self, hf_keys: set[str] | None = None) -> list[RowLink]:
+        """Which rows of which HF tensor each of our tensors is (for export and import by shard): renames, and wq/wk
+        rows in `_permute_to_hf`'s order, found by permuting the row numbers themselves. One layout on disk, so
+        `hf_keys` (the keys a checkpoint holds) changes nothing."""
+        tied, hd = self.model_args.tie_word_embeddings, self.model_args.head_dim
+        links = []
+        for ours, hf in self.to_hf_keys.items():
+            if tied and ours == "output.weight":
+                continue
+            heads = self._rope_heads(ours)
+            rows = None if heads is None else \
+                _permute_to_hf(torch.arange(self.shapes[ours][0])[:, None], heads, hd)[:, 0]
+            links.append(RowLink(hf, ours, our_rows=rows))
+        return links
 
     # -- config.json: the module functions below, on the class so model-independent code (hf_io) needs only
     # the adapter class from the model registry. The module functions stay for existing callers.

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchtitan.models.hf_common import check_state_dict, close, require, same_tensor
+from torchtitan.models.hf_common import RowLink, check_state_dict, close, expert_links, require, same_tensor
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.tools.logging import logger
@@ -127,6 +127,23 @@ class Qwen3StateDictAdapter:
                                f"{prefix}{j}.down_proj.weight": (d, h)})
         return shapes
 
+    def row_links(self, hf_keys: set[str] | None = None) -> list[RowLink]:
+        """Which rows of which HF tensor each of our tensors is (for export and import by shard): renames, and the
+        experts per expert, or in transformers' fused layout for layers whose `gate_up_proj` is in `hf_keys`.
+        The routing bias has none: export leaves it out and import takes `from_hf`'s zeros."""
+        tied = self.model_args.tie_word_embeddings
+        links = []
+        for ours, shape in self.shapes.items():
+            if ours in self.to_hf_keys:
+                if not (tied and ours == "output.weight"):
+                    links.append(RowLink(self.to_hf_keys[ours], ours))
+                continue
+            layer, _, key = ours.removeprefix("layers.").partition(".")
+            prefix = f"model.layers.{layer}.mlp.experts."
+            fused = hf_keys is not None and prefix + "gate_up_proj" in hf_keys
+            links += expert_links(ours, shape, prefix, _EXPERT_KEYS[key], fused)
+        return links
+
     # -- conversion ------------------------------------------------------------------------------
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -191,9 +208,8 @@ class Qwen3StateDictAdapter:
                 out[ours] = torch.stack([hf_state_dict[f"{prefix}{j}.{name}.weight"]
                                          for j in range(a.moe.num_experts)])
         for key in self.bias_keys:
-            layer = key.removeprefix("layers.").partition(".")[0]
-            device = out[f"layers.{layer}.moe.experts.w1"].device
-            out[key] = torch.zeros(a.moe.num_experts, dtype=torch.float32, device=device)
+            # On the CPU, as read checkpoints are: real zeros even when the experts are stand-ins (hf_sharded.py).
+            out[key] = torch.zeros(a.moe.num_experts, dtype=torch.float32)
         if tied:
             out["output.weight"] = out["tok_embeddings.weight"]
         return out
