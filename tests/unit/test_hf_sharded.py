@@ -271,3 +271,14 @@ def test_io_of_a_405b_block_is_bounded_by_the_chunk(tmp_path: Path) -> None:
     print(f"\n405B block, FSDP 8 x TP 8, rank 0: shards {got['local_bytes'] / 2**20:.1f} MiB (largest "
           f"{got['largest_local'] / 2**20:.1f}), export peak {got['export_peak'] / 2**20:.1f} MiB, import peak "
           f"{got['import_peak'] / 2**20:.1f} MiB")
+
+
+def test_an_export_with_unwritten_rows_fails_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The written-element check is what makes a hole impossible to publish: with no rank electing itself writer
+    (a broken election), the export fails by name and neither the folder nor its temporary stays behind."""
+    from torchtitan.components import hf_sharded
+
+    monkeypatch.setattr(hf_sharded, "_elect_writers", lambda *args: set())
+    with pytest.raises(RuntimeError, match="got 0 of .* elements"):
+        save_hf_sharded(tmp_path / "hf", _model(0).state_dict(), ARGS, model="llama3")
+    assert list(tmp_path.iterdir()) == []
