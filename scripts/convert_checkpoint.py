@@ -2,13 +2,15 @@
 
     python scripts/convert_checkpoint.py dcp-to-hf <step folder> <out folder> --flavor debugmodel [--model llama3]
                                                    [--dtype bfloat16]
+    torchrun --nproc_per_node N scripts/convert_checkpoint.py dcp-to-hf ...   (each process holds 1/N of the model)
     python scripts/convert_checkpoint.py hf-to-dcp <hf folder> <out step folder> [--model qwen3 [--flavor 8B]]
     python scripts/convert_checkpoint.py dcp-to-pt <step folder> <out.pt>
 
 Works for every registered model with a Hugging Face state-dict adapter (`--model`, as `model.name` in a
 config). A DCP folder does not record its model, so `dcp-to-hf` takes `--model` (default llama3); `hf-to-dcp`
 without `--model` uses the model whose adapter reads config.json. Runs on one process, no GPU or process group
-needed. Only model weights are converted (never optimizer state). A DCP folder is read from its own metadata,
+needed; `dcp-to-hf` also under torchrun (gloo, CPU), where each rank reads and writes only its FSDP shard's rows, so
+no process ever holds the whole model. Only model weights are converted (never optimizer state). A DCP folder is read from its own metadata,
 so any layout it was saved with (FSDP, DDP, one process) and any dtype work. `hf-to-dcp` writes a model-only
 checkpoint with a completion marker that `checkpoint.initial_load_path` (or a run's own checkpoint folder) can
 load.
@@ -27,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.components import checkpoint_io as cio  # noqa: E402
-from torchtitan.components.hf_io import load_hf, save_hf  # noqa: E402
+from torchtitan.components.hf_io import load_hf  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,7 +50,7 @@ def _model_args(model: str, flavor: str):
     return spec, spec.flavors[flavor]
 
 
-def _read_dcp(folder: Path) -> dict[str, torch.Tensor]:
+def _check_folder(folder: Path) -> None:
     if not folder.is_dir():
         raise ConvertError(f"{folder}: not a folder")
     if not (folder / cio.METADATA).is_file():
@@ -57,6 +59,10 @@ def _read_dcp(folder: Path) -> dict[str, torch.Tensor]:
         # DCP writes .metadata after every shard, so the tensors are all there; only our marker is missing.
         print(f"warning: {folder} has no valid {cio.MARKER} marker (not published by a run); converting anyway",
               file=sys.stderr)
+
+
+def _read_dcp(folder: Path) -> dict[str, torch.Tensor]:
+    _check_folder(folder)
     try:
         return cio.load_full_model_state(folder)
     except (KeyboardInterrupt, SystemExit):
@@ -65,7 +71,54 @@ def _read_dcp(folder: Path) -> dict[str, torch.Tensor]:
         raise ConvertError(f"{folder}: cannot read the checkpoint: {' '.join(str(e).split())[:300]}") from e
 
 
-def _check_against_model(sd: dict[str, torch.Tensor], spec, args, flavor: str, where: str) -> None:
+def _model_shapes(folder: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(key prefix, our key -> shape) of a DCP folder's model tensors, from its metadata alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _check_folder(folder)
+    md = cio.read_metadata(folder)
+    prefix = cio.model_prefix(md)
+    shapes = {k[len(prefix):]: tuple(v.size) for k, v in md.state_dict_metadata.items()
+              if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    if not shapes:
+        raise ConvertError(f"{folder}: the checkpoint holds no model tensors")
+    return prefix, shapes
+
+
+def _process_group():
+    """The launch's group under torchrun (each rank then converts its 1/world of the model), else None."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.group.WORLD
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+        return dist.group.WORLD
+    return None
+
+
+def _sharded_model(spec, args, pg) -> torch.nn.Module:
+    """The model with only this rank's shards in memory: built on meta, FSDP over every rank of the launch (each
+    block, then the rest), then materialised empty; one process holds it whole."""
+    import torch.distributed as dist
+
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    world = dist.get_world_size(pg) if pg is not None else 1
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model.to_empty(device="cpu")
+
+
+def _check_against_model(sd: dict[str, tuple[int, ...]], spec, args, flavor: str, where: str) -> None:
     """Names and shapes must be exactly those of the registry's model, built on meta (no memory)."""
     # Named in every error: the default --model llama3 on another model's checkpoint is the likely mistake.
     which = f"--model {spec.name} --flavor {flavor}"
@@ -77,20 +130,39 @@ def _check_against_model(sd: dict[str, torch.Tensor], spec, args, flavor: str, w
     for key, shape in expected.items():
         if key not in sd:
             raise ConvertError(f"{where}: missing '{key}' for {which}")
-        if tuple(sd[key].shape) != shape:
-            raise ConvertError(f"{where}: '{key}' has shape {tuple(sd[key].shape)}, {which} expects {shape}")
+        if tuple(sd[key]) != shape:
+            raise ConvertError(f"{where}: '{key}' has shape {tuple(sd[key])}, {which} expects {shape}")
     extra = sorted(set(sd) - set(expected))
     if extra:
         raise ConvertError(f"{where}: unexpected '{extra[0]}' for {which}")
 
 
 def dcp_to_hf(ns: argparse.Namespace) -> None:
+    """By shard (torchtitan/components/hf_sharded.py): each rank of the launch reads its rows of the checkpoint
+    and writes them; under `torchrun --nproc_per_node N` a rank holds 1/N of the model."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.components.hf_sharded import save_hf_sharded
+    from torchtitan.components.model_parts import model_state_dict
+
     spec, args = _model_args(ns.model, ns.flavor)
     src = Path(ns.src)
-    sd = _read_dcp(src)
-    _check_against_model(sd, spec, args, ns.flavor, str(src))
-    out = save_hf(ns.out, sd, args, dtype=ns.dtype, model=ns.model)
-    print(f"wrote {out} ({len(sd)} tensors, {ns.model}, {ns.dtype})")
+    prefix, shapes = _model_shapes(src)
+    _check_against_model(shapes, spec, args, ns.flavor, str(src))
+    pg = _process_group()
+    model = _sharded_model(spec, args, pg)
+    state = model_state_dict([model])
+    try:
+        dcp.load({"model": state} if prefix else state, checkpoint_id=str(src), planner=cio.SafeLoadPlanner(),
+                 process_group=pg, no_dist=pg is None)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        raise ConvertError(f"{src}: cannot read the checkpoint: {' '.join(str(e).split())[:300]}") from e
+    out = save_hf_sharded(ns.out, state, args, dtype=ns.dtype, model=ns.model, pg=pg)
+    if pg is None or dist.get_rank(pg) == 0:
+        print(f"wrote {out} ({len(shapes)} tensors, {ns.model}, {ns.dtype})")
 
 
 def hf_to_dcp(ns: argparse.Namespace) -> None:

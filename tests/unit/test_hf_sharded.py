@@ -282,3 +282,41 @@ def test_an_export_with_unwritten_rows_fails_and_leaves_nothing(tmp_path: Path, 
     with pytest.raises(RuntimeError, match="got 0 of .* elements"):
         save_hf_sharded(tmp_path / "hf", _model(0).state_dict(), ARGS, model="llama3")
     assert list(tmp_path.iterdir()) == []
+
+
+def _convert_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _convert_on_rank(rank: int, step: Path, out: Path) -> None:
+    assert _convert_script().main(["dcp-to-hf", str(step), str(out), "--flavor", "debugmodel",
+                                   "--dtype", "float32"]) == 0
+
+
+def test_convert_script_dcp_to_hf_by_shard_on_two_ranks(tmp_path: Path) -> None:
+    """scripts/convert_checkpoint.py dcp-to-hf as under `torchrun --nproc_per_node 2`: each rank loads its FSDP
+    shard from the DCP folder (here saved in bfloat16, cast on load) and writes its rows; the folder equals the
+    checkpoint's weights exactly, as the one-process conversion's does."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.components import checkpoint_io as cio
+
+    torch.manual_seed(0)
+    model = Transformer(llama3_flavors["debugmodel"])
+    model.init_weights()
+    want = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    step = tmp_path / "step-5"
+    dcp.save({"model": want}, checkpoint_id=str(step), no_dist=True)
+    cio.write_marker(step, {"step": 5, "world_size": 1, "model_only": True})
+    run_ranks(_convert_on_rank, step, tmp_path / "two")
+    assert _convert_script().main(["dcp-to-hf", str(step), str(tmp_path / "one"), "--flavor", "debugmodel",
+                                   "--dtype", "float32"]) == 0
+    for folder in ("two", "one"):
+        got, _ = load_hf(tmp_path / folder, llama3_flavors["debugmodel"])
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k].float()) for k in want), folder
