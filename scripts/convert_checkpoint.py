@@ -9,11 +9,11 @@
 Works for every registered model with a Hugging Face state-dict adapter (`--model`, as `model.name` in a
 config). A DCP folder does not record its model, so `dcp-to-hf` takes `--model` (default llama3); `hf-to-dcp`
 without `--model` uses the model whose adapter reads config.json. Runs on one process, no GPU or process group
-needed; `dcp-to-hf` also under torchrun (gloo, CPU), where each rank reads and writes only its FSDP shard's rows, so
-no process ever holds the whole model. Only model weights are converted (never optimizer state). A DCP folder is read from its own metadata,
-so any layout it was saved with (FSDP, DDP, one process) and any dtype work. `hf-to-dcp` writes a model-only
-checkpoint with a completion marker that `checkpoint.initial_load_path` (or a run's own checkpoint folder) can
-load.
+needed; `dcp-to-hf` and `hf-to-dcp` also under torchrun (gloo, CPU), where each rank reads and writes only its FSDP
+shard's rows, so no process holds the whole model. Only model weights are converted (never optimizer state). A DCP
+folder is read from its own metadata, so any layout it was saved with (FSDP, DDP, one process) and any dtype work.
+`hf-to-dcp` writes a model-only float32 checkpoint with a completion marker that `checkpoint.initial_load_path` (or
+a run's own checkpoint folder) can load.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.components import checkpoint_io as cio  # noqa: E402
-from torchtitan.components.hf_io import load_hf  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -166,7 +165,15 @@ def dcp_to_hf(ns: argparse.Namespace) -> None:
 
 
 def hf_to_dcp(ns: argparse.Namespace) -> None:
+    """By shard, as dcp-to-hf: each rank of the launch reads its rows of the Hugging Face files into its FSDP shard
+    and DCP writes the shards; the folder holds float32 weights (what a run's parameters are)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    from torchtitan.components import hf_io
+    from torchtitan.components.hf_sharded import load_hf_sharded
+    from torchtitan.components.model_parts import model_state_dict
+    from torchtitan.models.registry import get_model_spec
 
     args = None
     if ns.flavor:
@@ -174,15 +181,21 @@ def hf_to_dcp(ns: argparse.Namespace) -> None:
             raise ConvertError("--flavor: needs --model too")
         _, args = _model_args(ns.model, ns.flavor)
     # With args, config.json must match the flavor; with neither, the model is the one that reads config.json.
-    sd, args = load_hf(ns.src, args, model=ns.model)
+    adapter, args = hf_io.resolve_folder(Path(ns.src), args, ns.model)
+    name = ns.model or next(n for n, spec in hf_io._registered() if spec.state_dict_adapter is adapter)
     out = Path(ns.out)
     if out.exists():
         raise ConvertError(f"{out}: already exists; remove it or pick another folder")
-    dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
-    name = out.name
-    step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else 0
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()})
-    cio.write_marker(out, {"step": step, "world_size": 1, "model_only": True, "dtype": "/".join(dtypes),
+    pg = _process_group()
+    model = _sharded_model(get_model_spec(name), args, pg)
+    load_hf_sharded(ns.src, [model], args, model=adapter, pg=pg)
+    sd = model_state_dict([model])
+    dcp.save({"model": sd}, checkpoint_id=str(out), process_group=pg, no_dist=pg is None)
+    if pg is not None and dist.get_rank(pg) != 0:
+        return
+    step = int(out.name[5:]) if out.name.startswith("step-") and out.name[5:].isdigit() else 0
+    world = dist.get_world_size(pg) if pg is not None else 1
+    cio.write_marker(out, {"step": step, "world_size": world, "model_only": True, "dtype": "float32",
                            "source": str(Path(ns.src).resolve())})
     print(f"wrote {out} ({len(sd)} tensors, model only)")
     if not ns.flavor:

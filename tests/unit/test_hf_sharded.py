@@ -294,15 +294,17 @@ def _convert_script():
     return module
 
 
-def _convert_on_rank(rank: int, step: Path, out: Path) -> None:
-    assert _convert_script().main(["dcp-to-hf", str(step), str(out), "--flavor", "debugmodel",
-                                   "--dtype", "float32"]) == 0
+def _convert_on_rank(rank: int, step: Path, out: Path, back: Path) -> None:
+    conv = _convert_script()
+    assert conv.main(["dcp-to-hf", str(step), str(out), "--flavor", "debugmodel", "--dtype", "float32"]) == 0
+    assert conv.main(["hf-to-dcp", str(out), str(back), "--model", "llama3", "--flavor", "debugmodel"]) == 0
 
 
 def test_convert_script_dcp_to_hf_by_shard_on_two_ranks(tmp_path: Path) -> None:
-    """scripts/convert_checkpoint.py dcp-to-hf as under `torchrun --nproc_per_node 2`: each rank loads its FSDP
-    shard from the DCP folder (here saved in bfloat16, cast on load) and writes its rows; the folder equals the
-    checkpoint's weights exactly, as the one-process conversion's does."""
+    """scripts/convert_checkpoint.py dcp-to-hf and back (hf-to-dcp) as under `torchrun --nproc_per_node 2`: each
+    rank loads its FSDP shard (from the DCP folder, here saved in bfloat16 and cast on load, then from the
+    Hugging Face files) and writes it; both folders hold the checkpoint's weights exactly, as the one-process
+    conversion's does."""
     import torch.distributed.checkpoint as dcp
 
     from torchtitan.components import checkpoint_io as cio
@@ -314,9 +316,11 @@ def test_convert_script_dcp_to_hf_by_shard_on_two_ranks(tmp_path: Path) -> None:
     step = tmp_path / "step-5"
     dcp.save({"model": want}, checkpoint_id=str(step), no_dist=True)
     cio.write_marker(step, {"step": 5, "world_size": 1, "model_only": True})
-    run_ranks(_convert_on_rank, step, tmp_path / "two")
+    run_ranks(_convert_on_rank, step, tmp_path / "two", tmp_path / "back" / "step-5")
     assert _convert_script().main(["dcp-to-hf", str(step), str(tmp_path / "one"), "--flavor", "debugmodel",
                                    "--dtype", "float32"]) == 0
     for folder in ("two", "one"):
         got, _ = load_hf(tmp_path / folder, llama3_flavors["debugmodel"])
         assert set(got) == set(want) and all(torch.equal(got[k], want[k].float()) for k in want), folder
+    back = {k.removeprefix("model."): v for k, v in cio.load_full_model_state(tmp_path / "back" / "step-5").items()}
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k].float()) for k in want)
