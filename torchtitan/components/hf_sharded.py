@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.components import hf_io
 from torchtitan.components.safetensors_slices import Entry, Reader, create_file, plan_file, read_entries, write_rows
+from torchtitan.components.shard_rows import local_2d, local_rows_cols, match_rows, n_rows, row_chunks, shard_index
 from torchtitan.models.hf_common import RowLink
 from torchtitan.tools.fs import fsync_dir
 
@@ -64,81 +65,6 @@ def _stand_in(t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> T
     if len(shape) == 1:
         return t if t is not None and not isinstance(t, DTensor) else torch.zeros(shape, dtype=dtype)
     return torch.empty(shape, dtype=dtype, device="meta")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Which rows and columns a rank holds
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _sharded_dim(p: Any) -> int | None:
-    """The tensor dimension a placement cuts: Shard's and _StridedShard's `dim` (torch 2.13's _StridedShard is not
-    a Shard, so `is_shard()` misses it), None for Replicate and Partial."""
-    dim = getattr(p, "dim", None)
-    return dim if isinstance(dim, int) else None
-
-
-def _dim_indices(t: Tensor) -> list[Tensor]:
-    """For each dimension, the global indices this rank's local tensor holds, in local order. DTensor cuts each
-    dimension independently, so cutting an index vector with the placements that shard that dimension (the others
-    made Replicate) gives them exactly, uneven and strided shards included, without communication."""
-    if not isinstance(t, DTensor):
-        return [torch.arange(n) for n in t.shape]
-    out = []
-    for d, n in enumerate(t.shape):
-        placements = [p if _sharded_dim(p) == d else Replicate() for p in t.placements]
-        index = torch.arange(n).reshape([n if i == d else 1 for i in range(t.dim())])
-        out.append(distribute_tensor(index, t.device_mesh, placements, src_data_rank=None).to_local().flatten())
-    return out
-
-
-def _local_rows_cols(t: Tensor) -> tuple[Tensor, Tensor]:
-    """(global row ids of the local rows in local order, global column ids): the tensor seen as rows of its last
-    dimension, as in RowLink."""
-    dims = _dim_indices(t) if t.dim() else [torch.zeros(1, dtype=torch.long)]
-    rows = torch.zeros(1, dtype=torch.long)
-    for d in range(len(dims) - 1):
-        rows = (rows[:, None] * t.shape[d] + dims[d][None, :]).flatten()
-    return rows, dims[-1]
-
-
-def _as_rows(rows: range | Tensor | None, n: int) -> Tensor:
-    if rows is None:
-        return torch.arange(n)
-    return torch.arange(rows.start, rows.stop, rows.step) if isinstance(rows, range) else rows.long()
-
-
-def _match(link: RowLink, our_n: int, hf_n: int, local_rows: Tensor) -> tuple[Tensor, Tensor]:
-    """(local row positions, HF rows) of the link's rows this rank holds, ordered by HF row."""
-    ours, hf = _as_rows(link.our_rows, our_n), _as_rows(link.hf_rows, hf_n)
-    if ours.numel() != hf.numel():
-        raise ValueError(f"row link {link.our_key} -> {link.hf_key}: {ours.numel()} rows against {hf.numel()}")
-    if local_rows.numel() == 0:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    order = torch.argsort(local_rows)
-    held = local_rows[order]
-    pos = torch.searchsorted(held, ours).clamp(max=held.numel() - 1)
-    hit = held[pos] == ours
-    local, hf = order[pos[hit]], hf[hit]
-    by_hf = torch.argsort(hf)
-    return local[by_hf], hf[by_hf]
-
-
-def _n_rows(shape: torch.Size | tuple[int, ...]) -> int:
-    n = 1
-    for s in tuple(shape)[:-1]:
-        n *= s
-    return n
-
-
-def _chunks(n_rows: int, row_bytes: int) -> list[slice]:
-    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    return [slice(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]
-
-
-def _local2d(t: Tensor, n_rows: int, n_cols: int) -> Tensor:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.detach().reshape(n_rows, n_cols)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,15 +122,15 @@ def _write_own(state_dict: dict[str, Any], links: list[RowLink], entries: dict[s
             if key not in mine or id(t) in seen:
                 continue
             seen.add(id(t))  # an alias (tied output) is written once, through its own links only
-            rows, cols = _local_rows_cols(t)
-            local = _local2d(t, rows.numel(), cols.numel())
-            n_ours = _n_rows(t.shape)
+            rows, cols = local_rows_cols(t)
+            local = local_2d(t, rows.numel(), cols.numel())
+            n_ours = n_rows(t.shape)
             for link in by_ours[key]:
                 entry = entries[link.hf_key]
-                pos, hf_rows = _match(link, n_ours, entry.rows, rows)
+                pos, hf_rows = match_rows(link, n_ours, entry.rows, rows)
                 if entry.path not in fds:
                     fds[entry.path] = os.open(entry.path, os.O_WRONLY)
-                for part in _chunks(pos.numel(), cols.numel() * local.element_size()):
+                for part in row_chunks(pos.numel(), cols.numel() * local.element_size(), CHUNK_BYTES):
                     written[link.hf_key] += write_rows(fds[entry.path], entry, hf_rows[part], cols, local[pos[part]])
         for fd in fds.values():
             os.fsync(fd)
@@ -212,18 +138,6 @@ def _write_own(state_dict: dict[str, Any], links: list[RowLink], entries: dict[s
         for fd in fds.values():
             os.close(fd)
     return written
-
-
-def _shard_index(t: Tensor) -> int:
-    """Which shard of its tensor this rank holds: its coordinates on the mesh dimensions that cut the tensor, as
-    one number (0 for a plain tensor). Ranks with the same index hold the same rows: replicas."""
-    if not isinstance(t, DTensor):
-        return 0
-    index = 0
-    for m, p in enumerate(t.placements):
-        if _sharded_dim(p) is not None:
-            index = index * t.device_mesh.size(m) + t.device_mesh.get_local_rank(m)
-    return index
 
 
 def _elect_writers(state_dict: dict[str, Any], keys: list[str], pg: dist.ProcessGroup | None, rank: int,
@@ -235,12 +149,12 @@ def _elect_writers(state_dict: dict[str, Any], keys: list[str], pg: dist.Process
     slot = {k: i for i, k in enumerate(keys)}
     for key, t in state_dict.items():
         if key in slot:
-            table[slot[key], _shard_index(t)] = rank
+            table[slot[key], shard_index(t)] = rank
     if world > 1:
         summed = table.to(_reduce_device(pg))
         dist.all_reduce(summed, op=dist.ReduceOp.MIN, group=pg)
         table = summed.cpu()
-    return {key for key, t in state_dict.items() if key in slot and int(table[slot[key], _shard_index(t)]) == rank}
+    return {key for key, t in state_dict.items() if key in slot and int(table[slot[key], shard_index(t)]) == rank}
 
 
 def _reduce_device(pg: dist.ProcessGroup | None) -> torch.device:
@@ -398,17 +312,17 @@ def _copy_local(param: Tensor, full: Tensor) -> None:
 def _read_own(t: Tensor, key: str, links: list[RowLink], entries: dict[str, Entry], n_ours: int,
               reader: Reader) -> None:
     """Fill the local rows of `t` from the files; every local row exactly once."""
-    rows, cols = _local_rows_cols(t)
+    rows, cols = local_rows_cols(t)
     local = t.to_local() if isinstance(t, DTensor) else t
     target = local.view(rows.numel(), cols.numel()) if local.is_contiguous() else local.reshape(rows.numel(), -1)
     filled = torch.zeros(rows.numel(), dtype=torch.bool)
     for link in links:
         entry = entries[link.hf_key]
-        pos, hf_rows = _match(link, n_ours, entry.rows, rows)
+        pos, hf_rows = match_rows(link, n_ours, entry.rows, rows)
         if bool(filled[pos].any()):
             raise ValueError(f"'{key}': rows linked twice (adapter row_links)")
         filled[pos] = True
-        for part in _chunks(pos.numel(), cols.numel() * entry.itemsize):
+        for part in row_chunks(pos.numel(), cols.numel() * entry.itemsize, CHUNK_BYTES):
             target[pos[part]] = reader.read_rows(entry, hf_rows[part], cols).to(target.dtype)
     if not bool(filled.all()):
         raise KeyError(f"'{key}': {int((~filled).sum())} of its rows have no source in the checkpoint")
@@ -466,7 +380,7 @@ def _load_own(folder: Path, parts: list[nn.Module], model_args: Any, model: str 
             if id(t) in done:  # a tied alias, filled through the tensor it aliases
                 continue
             if key in by_ours:
-                _read_own(t, key, by_ours[key], entries, _n_rows(t.shape), reader)
+                _read_own(t, key, by_ours[key], entries, n_rows(t.shape), reader)
             elif key in ours and not ours[key].is_meta:
                 _copy_local(t, ours[key])
             elif key in ours and any(other != key and ours.get(other) is ours[key] for other in by_ours):
