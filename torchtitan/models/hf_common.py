@@ -85,3 +85,22 @@ def expert_links(our_key: str, shape: tuple[int, ...], hf_prefix: str, name: str
     first = 0 if name == "gate_proj" else n
     hf_rows = (torch.arange(experts)[:, None] * 2 * n + first + torch.arange(n)[None, :]).flatten()
     return [RowLink(hf_prefix + "gate_up_proj", our_key, hf_rows=hf_rows)]
+
+
+def moe_model_links(shapes: dict[str, tuple[int, ...]], to_hf_keys: dict[str, str], expert_names: dict[str, str],
+                    hf_keys: set[str] | None, skip: set[str] | None = None) -> list[RowLink]:
+    """Row links of a model whose tensors are renames (`to_hf_keys`, ours -> HF) or stacked routed experts
+    (`layers.{i}.moe.experts.w1/w2/w3`, named on the HF side by `expert_names`); keys in `skip` have none. With
+    `hf_keys` (a checkpoint's keys), layers whose `gate_up_proj` is there get transformers' fused layout."""
+    links = []
+    for ours, shape in shapes.items():
+        if skip and ours in skip:
+            continue
+        if ours in to_hf_keys:
+            links.append(RowLink(to_hf_keys[ours], ours))
+            continue
+        layer, _, key = ours.removeprefix("layers.").partition(".")
+        prefix = f"model.layers.{layer}.mlp.experts."
+        fused = hf_keys is not None and prefix + "gate_up_proj" in hf_keys
+        links += expert_links(ours, shape, prefix, expert_names[key], fused)
+    return links

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, YaRNScaling
-from torchtitan.models.hf_common import RowLink, check_state_dict, expert_links, require
+from torchtitan.models.hf_common import RowLink, check_state_dict, moe_model_links, require
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.tools.logging import logger
 
@@ -153,16 +153,7 @@ class DeepSeekV3StateDictAdapter:
         """Which rows of which HF tensor each of our tensors is (for export and import by shard): renames (the
         routing bias included), and the experts per expert, or fused for layers whose `gate_up_proj` is in
         `hf_keys`. Without our bias, HF's is zeros (export leaves its rows unwritten: zeros)."""
-        links = []
-        for ours, shape in self.shapes.items():
-            if ours in self.to_hf_keys:
-                links.append(RowLink(self.to_hf_keys[ours], ours))
-                continue
-            layer, _, key = ours.removeprefix("layers.").partition(".")
-            prefix = f"model.layers.{layer}.mlp.experts."
-            fused = hf_keys is not None and prefix + "gate_up_proj" in hf_keys
-            links += expert_links(ours, shape, prefix, _EXPERT_KEYS[key], fused)
-        return links
+        return moe_model_links(self.shapes, self.to_hf_keys, _EXPERT_KEYS, hf_keys)
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our full state dict -> HF state dict in the on-disk layout (one matrix per expert). No copies: expert

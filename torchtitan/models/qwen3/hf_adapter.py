@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchtitan.models.hf_common import RowLink, check_state_dict, close, expert_links, require, same_tensor
+from torchtitan.models.hf_common import RowLink, check_state_dict, close, moe_model_links, require, same_tensor
 from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 from torchtitan.tools.logging import logger
@@ -131,18 +131,8 @@ class Qwen3StateDictAdapter:
         """Which rows of which HF tensor each of our tensors is (for export and import by shard): renames, and the
         experts per expert, or in transformers' fused layout for layers whose `gate_up_proj` is in `hf_keys`.
         The routing bias has none: export leaves it out and import takes `from_hf`'s zeros."""
-        tied = self.model_args.tie_word_embeddings
-        links = []
-        for ours, shape in self.shapes.items():
-            if ours in self.to_hf_keys:
-                if not (tied and ours == "output.weight"):
-                    links.append(RowLink(self.to_hf_keys[ours], ours))
-                continue
-            layer, _, key = ours.removeprefix("layers.").partition(".")
-            prefix = f"model.layers.{layer}.mlp.experts."
-            fused = hf_keys is not None and prefix + "gate_up_proj" in hf_keys
-            links += expert_links(ours, shape, prefix, _EXPERT_KEYS[key], fused)
-        return links
+        skip = {"output.weight"} if self.model_args.tie_word_embeddings else set()  # HF ties lm_head itself
+        return moe_model_links(self.shapes, self.to_hf_keys, _EXPERT_KEYS, hf_keys, skip)
 
     # -- conversion ------------------------------------------------------------------------------
 
