@@ -1,7 +1,8 @@
 """Dry run of a training job at its real size, on one CPU, in seconds: nothing is allocated, no process group.
 
     python scripts/dry_run.py --world-size 512 --job.config_file train_configs/llama3_405b.toml \
-        [--section.key value ...] [--device h100] [--memory-gib 80] [--reserve-gib 3] [--no-verdict] [--json]
+        [--section.key value ...] [--device h100] [--memory-gib 80] [--reserve-gib 3] [--no-verdict] [--json] \
+        [--jobs N]
 
 Takes the same TOML and overrides as training and prints (1) the resolved layout: mesh dimensions, derived views,
 batch and accumulation; (2) the pipeline stage split and schedule; (3) for the first rank of every pipeline rank,
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verdict", action="store_true",
                         help="skip the memory estimate (layout, stages and parameters only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="pipeline ranks built and estimated at once, each in its own process (default: CPUs)")
     opts, config_args = parser.parse_known_args(argv)
     target = "cpu" if opts.device.lower() == "cpu" else "cuda"
     try:
@@ -57,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         lay = dry_run.layout(cfg, resolved, opts.world_size, target)
         split = dry_run.stage_split(resolved, opts.world_size)
         ranks = dry_run.representative_ranks(resolved, opts.world_size)
-        # Shapes that the config check cannot see (heads not divisible by tp, ...) fail in parallelize: also
-        # ConfigErrors, raised here from the child.
-        params = [dry_run.in_child(dry_run.rank_params, cfg, resolved, opts.world_size, r, target) for r in ranks]
-        built = time.perf_counter() - start
-        result = None
-        if not opts.no_verdict:
-            result = dry_run.verdict(cfg, opts.world_size, ranks, target, capacity, reserve)
+        # One child per pipeline rank's parameter table and per estimate, --jobs at a time, the estimates (the long
+        # ones) first. Shapes that the config check cannot see (heads not divisible by tp, ...) fail in
+        # parallelize: also ConfigErrors, raised here from the child.
+        calls = [] if opts.no_verdict else dry_run.estimate_calls(cfg, opts.world_size, ranks, target)
+        calls += [(dry_run.rank_params, (cfg, resolved, opts.world_size, r, target)) for r in ranks]
+        results = dry_run.in_children(calls, opts.jobs)
+        params = results[len(calls) - len(ranks):]
+        result = None if opts.no_verdict else dry_run.verdict(results[:len(ranks)], capacity, reserve)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if result is not None:
         lines += dry_run.render_verdict(result, opts.device)
     print("\n".join(lines))
-    print(f"done in {seconds:.1f} s (layout, stages and parameters {built:.1f} s, including imports)")
+    print(f"done in {seconds:.1f} s, including imports ({len(ranks)} rank(s) built and estimated {opts.jobs} at a "
+          "time)")
     return 0
 
 

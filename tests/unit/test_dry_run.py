@@ -99,6 +99,22 @@ def test_pipeline_stage_split_and_a_rank_per_stage():
     assert "verdict" not in out and "done in" in out
 
 
+def test_pipeline_verdict_per_rank_two_at_a_time():
+    # The verdict of every pipeline rank, estimated two at a time (--jobs 2). The debug model's stages hold 2 blocks,
+    # too few to cut: each rank is traced at full depth and says why (the extrapolation of deeper stages is checked
+    # against full depth in tests/unit/test_memory_estimation.py).
+    proc = _run(["--world-size", "2", "--device", "cpu", "--json", "--jobs", "2", "--model.flavor", "debugmodel",
+                 "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
+                 "--training.local_batch_size", "4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    per_rank = out["verdict"]["per_rank"]
+    assert [e["rank"] for e in per_rank] == [0, 1] and [p["rank"] for p in out["parameters"]] == [0, 1]
+    for e, p in zip(per_rank, out["parameters"], strict=True):
+        assert e["extrapolated_from"] is None and "tracing every block is cheaper" in e["full_depth_reason"]
+        assert e["steady_bytes"] == p["bytes"] and e["peak_bytes"] > sum(p["bytes"].values())
+
+
 def test_bad_config_is_one_line_error_with_exit_2():
     proc = _run(["--world-size", "6", *DEBUG, "--parallelism.tensor_parallel_degree", "4"], timeout=60)
     assert proc.returncode == 2

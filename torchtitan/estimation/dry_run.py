@@ -4,7 +4,8 @@ Nothing here creates a real process group or allocates the model. The config is 
 `load_config` (so every problem is the trainer's one-line ConfigError); the per-rank parameter table comes from
 the trainer's own build + parallelize code (`build_parallel_model`) run on `meta` under a `fake` process group of
 the job's world size, at the model's full depth (building 405B on meta with FSDP x TP takes about 1.5 s); the
-verdict is the memory estimator's (`estimate`, depth-extrapolated unless pipeline parallel, see engine.py).
+verdict is the memory estimator's (`estimate`, depth-extrapolated, per pipeline stage under pipeline parallel: see
+engine.py).
 
 Each rank's build runs in a forked child: a fake process group and DTensor's caches keyed by mesh shape must not
 leak from one rank's build into the next one's, nor into the estimator, which creates its own group.
@@ -253,20 +254,40 @@ def render_params(rp: RankParams, n_pp: int) -> list[str]:
 
 
 # ---- the estimator's verdict ------------------------------------------------------------------------------------
-def verdict(cfg: JobConfig, world_size: int, ranks: list[int], target: str, capacity_gib: float,
-            reserve_gib: float) -> dict:
-    """The memory estimator's peak for each of `ranks` (one per pipeline rank), the worst against the device.
+def _call(fn, args: tuple):
+    return fn(*args)
 
-    Without pipeline parallel `estimate` traces 4 and 8 blocks and extrapolates (seconds even for 405B); a pipeline
-    stage is traced at its real depth, one child per pipeline rank (see docs/memory_estimation.md)."""
+
+def in_children(calls: list[tuple], jobs: int = 1) -> list:
+    """[fn(*args) for fn, args in calls], each in a forked child process of its own (as in_child), `jobs` at a
+    time: the pipeline ranks' builds and estimates are independent, and a machine with two cores runs two at once."""
+    if jobs <= 1 or len(calls) <= 1:
+        return [in_child(fn, *args) for fn, args in calls]
+    import multiprocessing as mp
+
+    # One task per child (chunks of one): a rank's fake process group and DTensor's caches die with its child.
+    with mp.get_context("fork").Pool(min(jobs, len(calls)), maxtasksperchild=1) as pool:
+        return pool.starmap(_call, calls, chunksize=1)
+
+
+def estimate_calls(cfg: JobConfig, world_size: int, ranks: list[int], target: str) -> list[tuple]:
+    """The memory estimator's calls for `ranks` (one per pipeline rank), for in_children. Without pipeline parallel
+    `estimate` traces 4 and 8 blocks and extrapolates (seconds even for 405B); under pipeline parallel it traces
+    each pipeline rank's stages twice, made shallower, and extrapolates to the real split (see
+    docs/memory_estimation.md)."""
     from torchtitan.estimation.engine import estimate
 
+    return [(estimate, (cfg, world_size, r, target)) for r in ranks]
+
+
+def verdict(estimates: list, capacity_gib: float, reserve_gib: float) -> dict:
+    """The estimates of one rank per pipeline rank, the worst against the device."""
     per_rank = []
-    for rank in ranks:
-        est = in_child(estimate, cfg, world_size, rank, target)
-        per_rank.append({"rank": rank, "peak_bytes": est.peak_bytes, "peak_phase": est.peak_phase,
+    for est in estimates:
+        per_rank.append({"rank": est.rank, "peak_bytes": est.peak_bytes, "peak_phase": est.peak_phase,
                          "breakdown_bytes": est.breakdown, "steady_bytes": est.steady_bytes,
-                         "extrapolated_from": est.extrapolated_from, "seconds": est.seconds})
+                         "extrapolated_from": est.extrapolated_from, "full_depth_reason": est.full_depth_reason,
+                         "seconds": est.seconds})
     worst = max(per_rank, key=lambda e: e["peak_bytes"])
     need = worst["peak_bytes"] / GIB + reserve_gib
     return {"per_rank": per_rank, "worst_rank": worst["rank"], "peak_gib": worst["peak_bytes"] / GIB,
@@ -279,6 +300,8 @@ def render_verdict(v: dict, device: str) -> list[str]:
     for e in v["per_rank"]:
         how = f"extrapolated from {e['extrapolated_from'][0]} and {e['extrapolated_from'][1]} blocks" \
             if e["extrapolated_from"] else "every block traced"
+        if e.get("full_depth_reason"):
+            how += f" ({e['full_depth_reason']})"
         parts = ", ".join(f"{k} {n / GIB:.2f}" for k, n in e["breakdown_bytes"].items() if n)
         lines.append(f"  rank {e['rank']}: peak {e['peak_bytes'] / GIB:.2f} GiB during {e['peak_phase']} ({parts} "
                      f"GiB; {how}, {e['seconds']:.1f} s)")

@@ -28,7 +28,7 @@ from torchtitan.distributed.context_parallel import shard_microbatches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan
 from torchtitan.distributed.utils import mixed_precision_autocast
-from torchtitan.estimation.pipeline import PipelineActions
+from torchtitan.estimation.pipeline import PipelineActions, sample_stage_depths, stage_blocks
 from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
@@ -63,7 +63,10 @@ class Estimate:
     """numbers of elements behind the steady state, for the analytic cross-check"""
     seconds: float = 0.0
     extrapolated_from: tuple[int, int] | None = None
-    """the two depths whose estimates were extrapolated to the model's depth (None: the full model ran)"""
+    """the two depths whose estimates were extrapolated to the model's depth (None: the full model ran); under
+    pipeline parallel, the blocks this rank's stages held in the two shallower traces"""
+    full_depth_reason: str = ""
+    """why a pipeline rank was traced at full depth instead of extrapolated ("" otherwise)"""
 
     @property
     def peak(self) -> StepPeak:
@@ -116,23 +119,25 @@ def build_parallel_model(cfg: JobConfig, parallel_dims: ParallelDims, device_typ
 
 
 def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",
-                  steps: int = 1, n_layers: int | None = None) -> Estimate:
+                  steps: int = 1, n_layers: int | None = None, plan: PipelinePlan | None = None) -> Estimate:
     """Peak memory of `rank` in a job of `world_size` processes; `device_type` is the target (cuda or cpu).
 
     `cfg` is resolved for `world_size` as the trainer resolves it (torchtitan/config/resolve.py), on a copy: the
-    caller's config may be estimated for other world sizes too."""
+    caller's config may be estimated for other world sizes too. `plan` replaces the config's pipeline plan (for a
+    model of `n_layers` blocks: see estimate)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()
     cfg = copy.deepcopy(cfg)
     resolved = resolve(cfg, world_size)
     parallel_dims, grad_accum = resolved.parallel_dims, resolved.grad_accum_steps
+    plan = plan if plan is not None else resolved.pipeline
     if dist.is_initialized():
         raise RuntimeError("estimate_rank needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         parts, model_args, loss_parallel = build_parallel_model(cfg, parallel_dims, device_type, n_layers, ddp=False,
-                                                                pipeline=resolved.pipeline)
+                                                                pipeline=plan)
         # The fake run is on CPU tensors, so the autocast (if any) is CPU's, with the target's parameter dtype.
         autocast = mixed_precision_autocast(parallel_dims, _param_dtype(cfg, device_type), "cpu")
         tracker = MemoryTracker()
@@ -148,13 +153,14 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
             params = [p for part in parts for p in part.parameters()]
             for t in [*params, *(b for part in parts for b in part.buffers()), *_optimizer_tensors(optimizer)]:
                 tracker.track(t)
-            pipeline = build_pipeline(resolved.pipeline, parts, parallel_dims, cfg, torch.device("cpu"))
+            phases = _Phases(tracker)
+            pipeline = build_pipeline(plan, parts, parallel_dims, cfg, torch.device("cpu"))
             if pipeline is not None:
-                n_microbatches = resolved.pipeline.n_microbatches(cfg.training.local_batch_size)
+                n_microbatches = plan.n_microbatches(cfg.training.local_batch_size)
                 pipeline = PipelineActions(pipeline, n_microbatches, _hidden_shape(cfg, parallel_dims, model_args),
-                                           _hidden_dtype(cfg, parallel_dims, device_type))
+                                           _hidden_dtype(cfg, parallel_dims, device_type), phases.action)
             with tracker, untracked_dtensor_metadata(tracker):
-                run_steps(parts, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, tracker.set_phase,
+                run_steps(parts, optimizer, cfg, model_args.vocab_size, grad_accum, loss_parallel, phases.set,
                           steps=steps, autocast=autocast, pipeline=pipeline, pp_mesh=_pp_mesh(parallel_dims),
                           cp_mesh=parallel_dims.mesh("cp") if parallel_dims.cp > 1 else None)
             est = _summarise(tracker, params, optimizer, rank, world_size, time.perf_counter() - start)
@@ -163,6 +169,27 @@ def estimate_rank(cfg: JobConfig, world_size: int, rank: int = 0, device_type: s
             return est
     finally:
         dist.destroy_process_group()
+
+
+class _Phases:
+    """The tracker's phase: run_steps' ("forward (step 1, micro-batch 1/2)", ...) and, under pipeline parallel,
+    each schedule action inside it ("backward (step 1, micro-batch 1/2, stage 3, pipeline micro-batch 5)"), cut
+    where the stage's blocks start and end (", blocks", ", after blocks")."""
+
+    def __init__(self, tracker: MemoryTracker):
+        self.tracker, self.base = tracker, ""
+
+    def set(self, phase: str) -> None:
+        self.base = phase
+        self.tracker.set_phase(phase)
+
+    def action(self, kind: str, stage: int, micro: int, region: str) -> None:
+        inner = self.base[self.base.index("(") + 1:-1]
+        where = f", {region}" if region else ""
+        self.tracker.set_phase(f"{kind} ({inner}, stage {stage}, {_PIPELINE_MICRO} {micro + 1}{where})")
+
+
+_PIPELINE_MICRO = "pipeline micro-batch"
 
 
 def _add_ddp_buckets(est: Estimate, params) -> None:
@@ -278,24 +305,29 @@ def _category(r: Record, serials: dict[str, set[int]], peak_phase: str) -> str:
             return name
     if any(c in r.op for c in _COLLECTIVES) or r.op in ("resize", "split_with_sizes_copy", "_chunk_cat"):
         return "communication"  # collective outputs and FSDP's gathered / to-be-reduced flat buffers
-    # Allocated during a forward or loss phase of this step and still alive: saved for backward.
+    # Allocated during a forward or loss phase of this step and still alive: saved for backward (under pipeline
+    # parallel also at a forward's peak: the other pipeline micro-batches' forwards in flight).
     same_step = peak_phase.split("(")[-1].split(",")[0] in r.phase
-    if same_step and (r.phase.startswith("forward") or r.phase.startswith("loss")) and not \
-            peak_phase.startswith("forward"):
+    forward = same_step and r.phase.startswith(("forward", "loss"))
+    if forward and (not peak_phase.startswith("forward") or _PIPELINE_MICRO in r.phase):
         return "activations"
     if peak_phase.startswith("forward") and r.phase == peak_phase:
         return "activations"
     return "temporaries"
 
 
+def _ac_interval(cfg: JobConfig) -> int:
+    """Blocks per checkpointed block under selective AC every N blocks (else 1): depth samples move by whole
+    groups of it, so every sample checkpoints the same share of its blocks."""
+    ac = cfg.activation_checkpoint
+    return int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option.isdigit() else 1
+
+
 def sample_layer_counts(cfg: JobConfig, n_layers: int) -> tuple[int, int] | None:
     """Two smaller depths whose estimates determine the full one, or None when the model is small enough to run.
 
     Multiples of the selective-AC interval, so both samples checkpoint the same share of their blocks."""
-    every = 1
-    ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option.isdigit():
-        every = int(ac.selective_ac_option)
+    every = _ac_interval(cfg)
     low = every * max(1, -(-4 // every))
     if n_layers <= 2 * low:
         return None
@@ -309,15 +341,45 @@ def estimate(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = 
     Transformer blocks are identical, so every memory quantity of a step is affine in the number of blocks (a
     per-block share plus the embedding, output, loss and communication buffers). Two runs with L1 and L2 = 2 x L1
     blocks give both coefficients; tests check the extrapolation against the exact run (same result to the byte
-    on the debug model). It keeps 70B at 64 ranks to seconds instead of minutes on a laptop.
+    on the debug model). It keeps 70B at 64 ranks to seconds instead of minutes on a laptop. Under pipeline
+    parallel each stage is affine in its own blocks: see estimate_pipeline_rank.
     """
+    if exact:
+        return estimate_rank(cfg, world_size, rank, device_type)
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        return estimate_pipeline_rank(cfg, world_size, rank, device_type)
     n_layers = get_model_spec(cfg.model.name).flavors[cfg.model.flavor].n_layers
-    # A pipeline stage holds a fixed slice of the blocks (the plan is cut for the model's depth): run it exactly.
-    samples = None if exact or cfg.parallelism.pipeline_parallel_degree > 1 else sample_layer_counts(cfg, n_layers)
+    samples = sample_layer_counts(cfg, n_layers)
     if samples is None:
         return estimate_rank(cfg, world_size, rank, device_type)
     low, high = (estimate_rank(cfg, world_size, rank, device_type, n_layers=n) for n in samples)
-    scale = (n_layers - samples[0]) / (samples[1] - samples[0])
+    return _extrapolate(low, high, (n_layers - samples[0]) / (samples[1] - samples[0]), samples)
+
+
+def estimate_pipeline_rank(cfg: JobConfig, world_size: int, rank: int, device_type: str,
+                           plan: PipelinePlan | None = None, n_layers: int | None = None) -> Estimate:
+    """A pipeline rank's estimate from two traces of its stages made shallower by the same number of blocks
+    (pipeline.sample_stage_depths), extrapolated to the real split; at full depth where that would be wrong or
+    slower (full_depth_reason says why). `plan` and `n_layers` replace the config's (tests: deeper debug models).
+
+    A cut stage keeps at least 2 blocks: with 1, its only block is also the top one, which FSDP keeps gathered after
+    forward, and the peaks are not on the line through deeper ones yet (405B, PP 8: +9% on a middle pipeline rank
+    from 1 and 2 blocks; from 2 and 3, 0 B on the first and last and +0.29% on the middle one)."""
+    plan = plan or resolve(copy.deepcopy(cfg), world_size).pipeline
+    stages = plan.stage_ids(rank // (world_size // plan.pp))
+    samples = sample_stage_depths(plan, model_args_for(cfg, n_layers), stages, _ac_interval(cfg), min_blocks=2)
+    if isinstance(samples, str):
+        est = estimate_rank(cfg, world_size, rank, device_type, n_layers=n_layers, plan=plan)
+        est.full_depth_reason = samples
+        return est
+    low, high = (estimate_rank(cfg, world_size, rank, device_type, n_layers=n, plan=p)
+                 for n, p in ((samples.low_layers, samples.low), (samples.high_layers, samples.high)))
+    traced = tuple(sum(stage_blocks(p)[s] for s in stages) for p in (samples.low, samples.high))
+    return _extrapolate(low, high, samples.scale, traced)
+
+
+def _extrapolate(low: Estimate, high: Estimate, scale: float, samples: tuple[int, int]) -> Estimate:
+    """low + (high - low) x scale, for every quantity of the estimate."""
 
     def extend(a: int, b: int) -> int:
         return round(a + (b - a) * scale)
@@ -330,7 +392,7 @@ def estimate(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = 
                          extend_all(low.step_peaks[k].breakdown, high.step_peaks[k].breakdown))
              for k in high.step_peaks if k in low.step_peaks}
     return Estimate(
-        rank=rank, world_size=world_size, step_peaks=steps,
+        rank=low.rank, world_size=low.world_size, step_peaks=steps,
         steady_bytes=extend_all(low.steady_bytes, high.steady_bytes), counts=extend_all(low.counts, high.counts),
         seconds=low.seconds + high.seconds, extrapolated_from=samples,
     )

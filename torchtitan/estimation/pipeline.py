@@ -24,9 +24,14 @@ real thing; the first stage does all of its backward at W, as torch's does.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from torchtitan.distributed.pipeline_parallel import SINGLE_STAGE_SCHEDULES, Pipeline
+from torchtitan.distributed.pipeline_parallel import SINGLE_STAGE_SCHEDULES, Pipeline, PipelinePlan
 from torchtitan.distributed.tensor_parallel import local_value
 
 
@@ -34,10 +39,17 @@ class PipelineActions:
     """Stands in for a Pipeline in components/step.py's forward_backward_step (same interface)."""
 
     def __init__(self, pipeline: Pipeline, n_microbatches: int, hidden_shape: tuple[int, ...],
-                 hidden_dtype: torch.dtype):
+                 hidden_dtype: torch.dtype, on_action: Callable[[str, int, int, str], None] | None = None):
         """`hidden_shape` is one pipeline micro-batch's activation between stages, as this rank holds it
-        ([micro-batch, seq_len / cp / tp: its context-parallel share, cut again by sequence parallel, dim])."""
+        ([micro-batch, seq_len / cp / tp: its context-parallel share, cut again by sequence parallel, dim]).
+        `on_action(kind, stage, micro-batch, region)` is told at every action (kind: forward, loss, backward,
+        backward input, backward weight) and, within it, when the stage's blocks start and end (region "",
+        "blocks", "after blocks"). The estimator keeps a peak per (action, region): depth extrapolation needs each
+        to be affine in the stage's depth, which the step's overall peak is not (whether the embedding's
+        backward or the top block's holds the peak can change with depth)."""
         self.pipeline, self.loss_fn = pipeline, pipeline.loss_fn
+        self.on_action = on_action or (lambda kind, stage, micro, region: None)
+        self.action: tuple[str, int, int] = ("", 0, 0)
         self.parts = dict(zip(pipeline.stage_ids, pipeline.parts, strict=True))
         self.last = pipeline.plan.num_stages - 1
         n = n_microbatches
@@ -56,6 +68,36 @@ class PipelineActions:
         schedule = pipeline.schedule
         stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
         self.torch_stages = {stage.stage_index: stage for stage in stages}
+        for part in self.parts.values():
+            self._hook_block_region(part)
+
+    def _region(self, region: str) -> None:
+        self.on_action(*self.action, region)
+
+    def _hook_block_region(self, part) -> None:
+        """Tell `on_action` where the part's blocks start and end, in forward and (by gradient hooks on the blocks'
+        inputs and outputs) in backward. It is also told after every block (the same region again): the tracker
+        then re-measures there (tracker.py's set_phase), so it sees FSDP's resharding, a `resize_` outside the
+        dispatcher, right after each block rather than at whichever op its every-256-ops check falls on, which
+        moves with depth and would make the peaks jitter by a block's gathered parameters. Hooks on the blocks'
+        outer modules do not fire in activation checkpointing's recomputation, and hold no tensors."""
+        blocks = list(part.layers.values()) if getattr(part, "layers", None) is not None else []
+
+        def first_pre(module, args, kwargs):
+            self._region("blocks")
+            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                args[0].register_hook(lambda grad: self._region("after blocks"))
+
+        def post(module, args, kwargs, out, region: str):
+            self._region(region)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: self._region("blocks"))
+
+        if blocks:  # prepended: the region starts before FSDP's pre-forward hook gathers the first block
+            blocks[0].register_forward_pre_hook(first_pre, prepend=True, with_kwargs=True)
+        for i, block in enumerate(blocks):  # after FSDP's post-forward hook, which reshards the block
+            region = "after blocks" if i == len(blocks) - 1 else "blocks"
+            block.register_forward_hook(functools.partial(post, region=region), with_kwargs=True)
 
     def _sends_forward(self, stage: int) -> bool:
         return stage != self.last and stage + 1 not in self.parts  # a neighbour on this rank gets it without a send
@@ -68,7 +110,8 @@ class PipelineActions:
         from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
         self.loss_fn.global_tokens = global_tokens
-
+        names = {Kind.FORWARD: "forward", Kind.FULL_BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward input",
+                 Kind.BACKWARD_WEIGHT: "backward weight"}
         mb = self.pipeline.plan.microbatch_size
         in_flight: dict[tuple[int, int], tuple] = {}
         awaiting_weight: dict[tuple[int, int], tuple] = {}  # I done, W to come: what torch's stage keeps meanwhile
@@ -78,6 +121,8 @@ class PipelineActions:
         total = torch.zeros(())
         for i, (kind, stage, m) in enumerate(self.order):
             key = (stage, m)
+            self.action = (names[kind], stage, m)
+            self._region("")
             if kind == Kind.FORWARD:
                 if stage == 0:
                     x = inputs[m * mb:(m + 1) * mb]
@@ -86,6 +131,8 @@ class PipelineActions:
                 out = self.parts[stage](x, **{k: v[m * mb:(m + 1) * mb] for k, v in (model_kwargs or {}).items()})
                 loss = None
                 if stage == self.last:
+                    self.action = ("loss", stage, m)
+                    self._region("")
                     loss = self.loss_fn(out, labels[m * mb:(m + 1) * mb])
                     total = total + local_value(loss.detach()).float().reshape(())  # as Pipeline sums them
                 # The stage keeps its output (the logits, on the last stage) until the backward, as torch's does.
@@ -170,3 +217,97 @@ def _single_stage_order(schedule: str, stage: int, num_stages: int, n: int) -> l
         if warmup + m < n:
             order.append((Kind.FORWARD, stage, warmup + m))
     return order
+
+
+# ---- depth extrapolation of pipeline stages ----------------------------------------------------------------------
+# A stage's memory is affine in its number of blocks, as long as they are of one kind (see engine.estimate). Every
+# stage of a plan is cut by the same number of blocks t, twice (t_low > t_high): the estimate is then affine in t
+# along that line and extrapolates to t = 0, the real split. Cutting by the same number keeps an uneven split
+# uneven by as much (a first or last stage a block lighter stays a block lighter), and keeps the schedule, the
+# number of stages, the micro-batches and the first and last stages' modules as they are.
+
+@dataclass(frozen=True)
+class StageSamples:
+    """Two shallower copies of a pipeline plan whose estimates extrapolate to the real one."""
+
+    low: PipelinePlan
+    high: PipelinePlan
+    low_layers: int
+    """blocks of the model `low` cuts (its stages' blocks, renumbered from 0)"""
+    high_layers: int
+    scale: float
+    """the real estimate is low + (high - low) x scale"""
+
+
+def stage_blocks(plan: PipelinePlan) -> list[int]:
+    """Number of transformer blocks (`layers.<i>`) in each stage."""
+    return [sum(name.startswith("layers.") for name in fqns) for fqns in plan.module_fqns]
+
+
+def with_stage_blocks(plan: PipelinePlan, blocks: list[int]) -> PipelinePlan:
+    """`plan` with `blocks[s]` blocks in stage s, numbered from 0 in forward order (a model of sum(blocks)
+    blocks); every other module stays on its stage, in its place."""
+    fqns, start = [], 0
+    for stage, count in zip(plan.module_fqns, blocks, strict=True):
+        first = next((i for i, n in enumerate(stage) if n.startswith("layers.")), len(stage))
+        after = [n for n in stage[first:] if not n.startswith("layers.")]
+        fqns.append((*stage[:first], *(f"layers.{i}" for i in range(start, start + count)), *after))
+        start += count
+    return dataclasses.replace(plan, module_fqns=tuple(fqns))
+
+
+def layer_kinds(model_args, n_layers: int) -> list[bool]:
+    """Which blocks of a model of `n_layers` blocks are of the second kind. Models whose blocks differ say so by
+    `is_moe_layer(i)` (Qwen3: every decoder_sparse_step-th block; DeepSeek: all but the first n_dense_layers);
+    tests/unit/test_memory_estimation.py checks, for every registered flavor, that blocks of one kind have the same
+    parameters, so a model with another difference fails there rather than extrapolating wrongly."""
+    is_moe = getattr(dataclasses.replace(model_args, n_layers=n_layers), "is_moe_layer", None)
+    return [bool(is_moe(i)) if is_moe is not None else False for i in range(n_layers)]
+
+
+def _by_stage(kinds: list[bool], blocks: list[int]) -> list[list[bool]]:
+    out, start = [], 0
+    for count in blocks:
+        out.append(kinds[start:start + count])
+        start += count
+    return out
+
+
+def sample_stage_depths(plan: PipelinePlan, model_args, stages: tuple[int, ...], every: int = 1,
+                        min_blocks: int = 2) -> StageSamples | str:
+    """Two shallower plans for `plan` (see above) to estimate the rank holding `stages`, or why every block must
+    be traced. Only that rank's stages are cut: the others are not built on it.
+
+    Stages that mix block kinds, or whose kind is not the model's usual one (DeepSeek's dense first blocks), keep
+    their real depth; the others are cut by the same t, a multiple of `every` (the selective-AC interval, so each
+    cut drops whole checkpointed groups) leaving at least `min_blocks`. The shallower models must give every kept
+    stage its real kinds and every cut stage its one kind, or the result would be a different model."""
+    blocks = stage_blocks(plan)
+    real = _by_stage(layer_kinds(model_args, sum(blocks)), blocks)
+    kinds = [k for stage in real for k in stage]
+    usual = max(set(kinds), key=kinds.count)
+    cuttable = [s for s in stages if real[s] and set(real[s]) == {usual}]
+    if not cuttable:
+        return "none of the rank's pipeline stages holds blocks of one kind only"
+    full = sum(blocks[s] for s in stages)
+    best = None
+    for m in sorted({blocks[s] for s in cuttable}):
+        t_low = (m - min_blocks) // every * every
+        if t_low - every < 0:
+            continue
+        cut = [s for s in cuttable if blocks[s] >= m]
+        traced = 2 * full - (2 * t_low - every) * len(cut)
+        if best is None or traced < best[0]:
+            best = (traced, t_low, cut)
+    if best is None or best[0] >= full:
+        return f"stages of at most {max(blocks[s] for s in stages)} blocks: tracing every block is cheaper than " \
+            "two shallower traces"
+    _, t_low, cut = best
+    depths = [[n - t if s in cut else n for s, n in enumerate(blocks)] for t in (t_low, t_low - every)]
+    for d in depths:
+        for s, (want, got) in enumerate(zip(real, _by_stage(layer_kinds(model_args, sum(d)), d), strict=True)):
+            if got != (want if s not in cut else [usual] * d[s]):
+                return f"pipeline stage {s}'s block kinds (dense, mixture of experts) would change in a shallower model"
+    low, high = depths
+    return StageSamples(with_stage_blocks(plan, low), with_stage_blocks(plan, high), sum(low), sum(high),
+                        t_low / every)
