@@ -1,5 +1,5 @@
-"""Hugging Face export and import by shard (torchtitan/components/hf_sharded.py) on forked gloo ranks, FSDP 2, TP 2
-and FSDP 2 x TP 2 (strided shards): the folder loads in transformers with our logits, imports back equal to the
+"""Hugging Face export and import by shard (torchtitan/components/hf_sharded.py) on forked gloo ranks, FSDP 2, TP 2,
+FSDP 2 x TP 2 (strided shards) and HSDP 2 x 2 (replicas): the folder loads in transformers with our logits, imports back equal to the
 single-process `load_hf`, and what each rank allocates during the call is bounded by its own largest shard; at
 405B scale (one block, FSDP 8 x TP 8, rank 0 under a fake process group) by its shards and the I/O chunk."""
 
@@ -58,9 +58,11 @@ def _sharded(seed: int, layout: str) -> Transformer:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh2d["tp"], _TP_PLAN)
         mesh = mesh2d["dp"]
+    elif layout == "hsdp":  # FSDP 2 inside, 2 replicas: (Replicate, Shard(0)) placements, half the ranks write
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    if layout in ("fsdp", "fsdp_tp"):
+    if layout in ("fsdp", "fsdp_tp", "hsdp"):
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -106,7 +108,7 @@ def _model_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in _model(0).parameters())
 
 
-@pytest.mark.parametrize(("layout", "world"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4)])
+@pytest.mark.parametrize(("layout", "world"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("hsdp", 4)])
 def test_export_and_import_by_shard(tmp_path: Path, layout: str, world: int) -> None:
     transformers = pytest.importorskip("transformers")
     folder = tmp_path / "hf"
