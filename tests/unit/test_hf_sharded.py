@@ -1,7 +1,8 @@
 """Hugging Face export and import by shard (torchtitan/components/hf_sharded.py) on forked gloo ranks, FSDP 2, TP 2,
-FSDP 2 x TP 2 (strided shards) and HSDP 2 x 2 (replicas): the folder loads in transformers with our logits, imports back equal to the
-single-process `load_hf`, and what each rank allocates during the call is bounded by its own largest shard; at
-405B scale (one block, FSDP 8 x TP 8, rank 0 under a fake process group) by its shards and the I/O chunk."""
+FSDP 2 x TP 2 (strided shards) and HSDP 2 x 2 (replicas): the folder loads in transformers with our logits, imports
+back equal to the single-process `load_hf`, and what each rank allocates during the call is bounded by its own
+largest shard; at 405B scale (one block, FSDP 8 x TP 8, rank 0 under a fake process group) by its shards and the
+I/O chunk."""
 
 from __future__ import annotations
 
@@ -77,6 +78,13 @@ def _full(model: Transformer) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
+def _assert_equals_saved(got: dict[str, torch.Tensor], want: Path) -> None:
+    ref = torch.load(want, weights_only=True)
+    assert set(got) == set(ref)
+    for key, t in ref.items():
+        assert torch.equal(got[key], t), key
+
+
 def _largest_shard(model: Transformer) -> int:
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     return max(t.numel() * t.element_size() for t in local)
@@ -95,12 +103,9 @@ def _import(rank: int, folder: Path, layout: str, want: Path) -> tuple[int, int]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         load_hf_sharded(folder, [model], ARGS, model="llama3")
     peak = _allocator_peak(prof), _largest_shard(model)
-    got = _full(model)
+    got = _full(model)  # collective: every rank gathers
     if rank == 0:
-        ref = torch.load(want, weights_only=True)
-        assert set(got) == set(ref)
-        for key, t in ref.items():
-            assert torch.equal(got[key], t), key
+        _assert_equals_saved(got, want)
     return peak
 
 
@@ -189,10 +194,7 @@ def _moe_export_import(rank: int, name: str, folder: Path, want: Path) -> None:
     load_hf_sharded(folder, [fresh], fresh.model_args, model=name)
     got = _full(fresh)
     if rank == 0:
-        ref = torch.load(want, weights_only=True)
-        assert set(got) == set(ref)
-        for key, t in ref.items():
-            assert torch.equal(got[key], t), key
+        _assert_equals_saved(got, want)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
