@@ -115,7 +115,7 @@ def write_rows(fd: int, entry: Entry, hf_rows: Tensor, cols: Tensor, data: Tenso
     if hf_rows.numel() == 0:
         return 0
     size, width = entry.itemsize, entry.cols * entry.itemsize
-    raw = data.to(entry.dtype).contiguous().view(torch.uint8).numpy()  # n x (len(cols) * size) bytes
+    raw = data.to(device="cpu", dtype=entry.dtype).contiguous().view(torch.uint8).numpy()  # n x len(cols)*size
     runs = col_runs(cols)
     if len(runs) == 1 and runs[0][2] == entry.cols:  # whole rows: one write per run of consecutive rows
         breaks = (torch.nonzero(hf_rows[1:] - hf_rows[:-1] != 1).flatten() + 1).tolist()

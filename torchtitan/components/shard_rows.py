@@ -33,7 +33,8 @@ def dim_indices(t: Tensor) -> list[Tensor]:
     for d, n in enumerate(t.shape):
         placements = [p if sharded_dim(p) == d else Replicate() for p in t.placements]
         index = torch.arange(n).reshape([n if i == d else 1 for i in range(t.dim())])
-        out.append(distribute_tensor(index, t.device_mesh, placements, src_data_rank=None).to_local().flatten())
+        local = distribute_tensor(index, t.device_mesh, placements, src_data_rank=None).to_local()
+        out.append(local.flatten().cpu())  # on the mesh's device (CUDA on GPU jobs); indices stay on the CPU
     return out
 
 
