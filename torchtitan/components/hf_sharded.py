@@ -323,8 +323,9 @@ def _read_own(t: Tensor, key: str, links: list[RowLink], entries: dict[str, Entr
             raise ValueError(f"'{key}': rows linked twice (adapter row_links)")
         filled[pos] = True
         for part in row_chunks(pos.numel(), cols.numel() * entry.itemsize, CHUNK_BYTES):
-            rows_read = reader.read_rows(entry, hf_rows[part], cols)  # CPU; the shard may be on a GPU
-            target[pos[part].to(target.device)] = rows_read.to(device=target.device, dtype=target.dtype)
+            # Read on the CPU, into the shard's device (a GPU's on GPU jobs); one chunk alive at a time.
+            target[pos[part].to(target.device)] = reader.read_rows(entry, hf_rows[part], cols).to(
+                device=target.device, dtype=target.dtype)
     if not bool(filled.all()):
         raise KeyError(f"'{key}': {int((~filled).sum())} of its rows have no source in the checkpoint")
     if target.data_ptr() != local.data_ptr():
