@@ -296,12 +296,11 @@ def verdict(estimates: list, capacity_gib: float, reserve_gib: float) -> dict:
 
 
 def render_verdict(v: dict, device: str) -> list[str]:
+    from torchtitan.estimation.report import depth_note
+
     lines = ["memory (the estimator's trace of one training step, per rank):"]
     for e in v["per_rank"]:
-        how = f"extrapolated from {e['extrapolated_from'][0]} and {e['extrapolated_from'][1]} blocks" \
-            if e["extrapolated_from"] else "every block traced"
-        if e.get("full_depth_reason"):
-            how += f" ({e['full_depth_reason']})"
+        how = depth_note(e["extrapolated_from"], e.get("full_depth_reason", ""))
         parts = ", ".join(f"{k} {n / GIB:.2f}" for k, n in e["breakdown_bytes"].items() if n)
         lines.append(f"  rank {e['rank']}: peak {e['peak_bytes'] / GIB:.2f} GiB during {e['peak_phase']} ({parts} "
                      f"GiB; {how}, {e['seconds']:.1f} s)")

@@ -85,13 +85,20 @@ def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_b
     }
 
 
+def depth_note(extrapolated_from: tuple[int, int] | None, full_depth_reason: str = "") -> str:
+    """How deep the trace was: two shallower traces extrapolated (blocks of the model, or under pipeline parallel
+    of this rank's stages), or every block, with the reason when a pipeline rank could not be extrapolated."""
+    how = f"extrapolated in depth from traces of {extrapolated_from[0]} and {extrapolated_from[1]} blocks" \
+        if extrapolated_from else "every block traced"
+    return f"{how} ({full_depth_reason})" if full_depth_reason else how
+
+
 def render(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, reserve_gib: float,
            device: str, layout: str) -> str:
     peak = est.peak_bytes / GIB
     lines = [
-        f"memory estimate: rank {est.rank} of {est.world_size} ({layout}), estimated in {est.seconds:.1f} s"
-        + (f" (extrapolated in depth from {est.extrapolated_from[0]} and {est.extrapolated_from[1]} blocks)"
-           if est.extrapolated_from else ""),
+        f"memory estimate: rank {est.rank} of {est.world_size} ({layout}), estimated in {est.seconds:.1f} s "
+        f"({depth_note(est.extrapolated_from, est.full_depth_reason)})",
         f"  peak tensor memory {peak:8.2f} GiB  during {est.peak_phase}",
         "  alive at the peak:",
     ]
@@ -123,5 +130,5 @@ def as_json(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, 
         "breakdown_bytes": est.breakdown, "steady_bytes": est.steady_bytes,
         "analytic_gib": analytic_gib, "needed_gib": need, "fits": need <= capacity_gib,
         "headroom_gib": capacity_gib - need, "seconds": est.seconds,
-        "extrapolated_from": est.extrapolated_from,
+        "extrapolated_from": est.extrapolated_from, "full_depth_reason": est.full_depth_reason,
     }
