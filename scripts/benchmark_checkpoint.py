@@ -11,6 +11,9 @@ times, on the same disk:
               copy) and the time until the checkpoint is complete (wait() returns)
   load        CheckpointManager.load() of the sync checkpoint, page cache evicted first
 Ratios are against the raw write (saves) or raw read (loads). Single process, CPU tensors.
+Then the Hugging Face export and import of the model weights (float32), by rows (hf_sharded.py, what the trainer
+uses) against the whole-state-dict functions (hf_io.save_hf / load_hf + load_state_dict), page cache evicted
+before each import.
 """
 
 from __future__ import annotations
@@ -93,8 +96,33 @@ def build(args, seed: int):
 
 def manager(root: Path, model, opt, mode: str) -> CheckpointManager:
     cfg = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
-    return CheckpointManager(cfg, dump_folder=root, model=model, optimizer=opt, lr_scheduler=None, dataloader=None,
-                             train_state=TrainState(step=1), model_args=None, world_size=1, rank=0)
+    return CheckpointManager(cfg, dump_folder=root, model_parts=[model], optimizer=opt, lr_scheduler=None,
+                             dataloader=None, train_state=TrainState(step=1), model_args=None, world_size=1, rank=0)
+
+
+def hf_round(root: Path, model, args, best) -> None:
+    """One export and import each way; the imports must give the model's weights back."""
+    from torchtitan.components.hf_io import load_hf, save_hf
+    from torchtitan.components.hf_sharded import load_hf_sharded, save_hf_sharded
+
+    sd = model.state_dict()
+    for name, save in (("save_hf (whole state dict)", save_hf), ("export by rows", save_hf_sharded)):
+        t0 = time.perf_counter()
+        save(root / name, sd, args, model="llama3")
+        best(name, time.perf_counter() - t0)
+    for name, folder in (("load_hf + load_state_dict", "save_hf (whole state dict)"),
+                         ("import by rows", "export by rows")):
+        evict(root / folder)
+        fresh = Transformer(args)
+        t0 = time.perf_counter()
+        if name == "import by rows":
+            load_hf_sharded(root / folder, [fresh], args, model="llama3")
+        else:
+            fresh.load_state_dict(load_hf(root / folder, args)[0])
+        best(name, time.perf_counter() - t0)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    for folder in ("save_hf (whole state dict)", "export by rows"):
+        shutil.rmtree(root / folder)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,9 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     gb = nbytes / 1e9
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=ns.dir))
     results: dict[str, float] = {}
+    hf: dict[str, float] = {}
 
     def best(name: str, seconds: float) -> None:
         results[name] = min(results.get(name, float("inf")), seconds)
+
+    def best_hf(name: str, seconds: float) -> None:
+        hf[name] = min(hf.get(name, float("inf")), seconds)
 
     try:
         cold = True
@@ -151,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m2.parameters(), strict=True))
             del m2, o2
             shutil.rmtree(root / f"sync{r}")
+            hf_round(root, model, args, best_hf)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -161,6 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, sec in results.items():
         base = results["raw read"] if "read" in name or "load" in name else results["raw write + fsync"]
         print(f"{name:28s} {sec:8.3f} {gb / sec:7.2f} {base / sec:7.2f}x")
+    model_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    print(f"\nHugging Face folder of the weights ({model_gb:.3f} GB float32)  {'seconds':>8s} {'GB/s':>7s} "
+          f"{'vs whole':>8s}")
+    for name, sec in hf.items():
+        whole = "save_hf (whole state dict)" if "save" in name or "export" in name else "load_hf + load_state_dict"
+        base = hf[whole]
+        print(f"{name:48s} {sec:8.3f} {model_gb / sec:7.2f} {base / sec:7.2f}x")
 
 
 if __name__ == "__main__":
