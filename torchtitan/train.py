@@ -17,7 +17,12 @@ from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.model_parts import build_model_parts, materialize, model_args_for
-from torchtitan.components.moe_balance import moe_layers, set_aux_loss_scale, update_expert_biases
+from torchtitan.components.moe_balance import (
+    CollapseWatch,
+    configure_balance_losses,
+    moe_layers,
+    update_expert_biases,
+)
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.step import forward_backward_step
 from torchtitan.components.step_guard import StepGuard, TrainingError
@@ -130,11 +135,14 @@ class Trainer:
         self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, self.device.type)
         # Every rank of an MoE model balances (a pipeline rank whose stages hold no MoE layer still joins the load
         # metric's reduction over pp), so the decision comes from the model args, the same on every rank.
-        moe = getattr(model_args, "moe", None)
-        self.moe_layers = moe_layers(self.model_parts) if moe is not None else None
-        self.moe_has_aux = moe is not None and moe.aux_loss_coeff > 0
+        self.moe_args = getattr(model_args, "moe", None)
+        self.moe_layers = moe_layers(self.model_parts) if self.moe_args is not None else None
         if self.moe_layers:
-            set_aux_loss_scale(self.moe_layers, cfg.training.global_batch_size)
+            configure_balance_losses(self.moe_layers, parallel_dims, cfg.training.global_batch_size,
+                                     cfg.training.seq_len)
+        self.collapse_watch = None if self.moe_args is None else CollapseWatch(
+            self.moe_args, cfg.moe.collapse_load_fraction, cfg.moe.collapse_warn_after_steps,
+            cfg.moe.collapse_warn_every_steps)
         self.moe_metrics: dict[str, float] = {}
         self.moe_counts: dict[str, torch.Tensor] = {}  # tokens per expert of each local MoE layer, last step
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -210,7 +218,8 @@ class Trainer:
         )
         if self.moe_layers is not None:  # auxiliary-loss-free balancing, from this step's global expert load
             self.moe_metrics, self.moe_counts = update_expert_biases(self.moe_layers, self.token_mesh, self.pp_mesh,
-                                                                     self.device, self.moe_has_aux)
+                                                                     self.device, self.moe_args)
+            self.collapse_watch.observe(step, self.moe_metrics)
         self.lr_scheduler.step()
         return local_loss_sum, local_tokens, global_tokens, grad_norm
 

@@ -56,6 +56,10 @@ _ETP2 = ("--parallelism.expert_tensor_parallel_degree", "2")
 _MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
 # ... with the sequence-level balance loss too, whose gradient is a mean over the global batch's sequences.
 _MOE_AUX = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux")
+# ... with the balance loss over the global batch instead (its expert counts summed over every rank that holds tokens
+# of the micro-step: dp x cp x tp) and the router z-loss. Without accumulation: with it, the scope is each
+# micro-step's tokens, which a 1-process run of one micro-batch does not have.
+_MOE_GLOBAL = (*_MOE_AUX, "--moe.aux_loss_scope", "global_batch", "--moe.router_z_loss_coeff", "0.1")
 
 REFERENCES = {
     "single_process": Layout("single_process", 1, dp(8, 1)),
@@ -65,6 +69,7 @@ REFERENCES = {
     "single_process_qwen3": Layout("single_process_qwen3", 1, (*dp(8, 1), *_QWEN3)),
     "single_process_moe": Layout("single_process_moe", 1, (*dp(8, 1), *_MOE)),
     "single_process_moe_aux": Layout("single_process_moe_aux", 1, (*dp(8, 1), *_MOE_AUX)),
+    "single_process_moe_global": Layout("single_process_moe_global", 1, (*dp(8, 1), *_MOE_GLOBAL)),
     "single_process_short_documents": Layout("single_process_short_documents", 1, (*dp(8, 1), *SHORT_DOCUMENTS)),
 }
 
@@ -187,6 +192,17 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
       for name, nproc, overrides in (
     ("moe_aux_fsdp2_accum", 2, dp(2, 2)),
     ("moe_aux_pp2_interleaved", 2, (*dp(8, 1), *pp("Interleaved1F1B"))),
+    # tensor and context parallel split each sequence: its expert counts are summed over cp x tp in the forward
+    ("moe_aux_tp2_accum", 2, (*dp(4, 1), *_TP2)),
+    ("moe_aux_cp2_full_ac", 2, (*dp(8, 1), *_CP2, "--activation_checkpoint.mode", "full")),
+    ("moe_aux_fsdp2_tp2_accum", 4, (*dp(2, 2), *_TP2)),
+    ("moe_aux_fsdp2_ep2_accum", 2, (*dp(2, 2), *_EP2)),
+)] + [Layout(name, nproc, (*overrides, *_MOE_GLOBAL), reference="single_process_moe_global")
+      for name, nproc, overrides in (
+    ("moe_global_tp2", 2, (*dp(8, 1), *_TP2)),
+    ("moe_global_cp2", 2, (*dp(8, 1), *_CP2)),
+    ("moe_global_fsdp2_tp2", 4, (*dp(4, 2), *_TP2)),
+    ("moe_global_fsdp2_ep2_full_ac", 2, (*dp(4, 2), *_EP2, "--activation_checkpoint.mode", "full")),
 )]
 
 ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS + QWEN3_LAYOUTS + MOE_LAYOUTS

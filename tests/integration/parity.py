@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torchtitan.components.model_parts import named_parameters
 
 # Tolerances, relative, derived in docs/testing.md from the measured noise floor of mathematically equal runs.
-TOLERANCE = {"loss": 3e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "param": 1e-6, "moe_aux_loss": 2e-6}
+TOLERANCE = {"loss": 3e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "param": 1e-6, "moe_aux_loss": 2e-6, "moe_z_loss": 2e-6}
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE)
     if [m["step"] for m in got_metrics] != [m["step"] for m in ref_metrics]:
         return [f"logged steps {[m['step'] for m in got_metrics]} != reference {[m['step'] for m in ref_metrics]}"]
     for got, ref in zip(got_metrics, ref_metrics, strict=True):
-        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss"):
+        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_z_loss"):
             if key in ref or key in got:
                 if key not in got or key not in ref:
                     problems.append((math.inf, f"step {ref['step']}: {key} logged by only one of the runs"))
@@ -146,7 +146,7 @@ def max_relative_differences(run: dict, reference: dict) -> dict[str, float]:
     """The largest relative difference of each kind: the noise floor when both runs are mathematically equal."""
     worst = dict.fromkeys(TOLERANCE, 0.0)
     for got, ref in zip(run["metrics"], reference["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss"):
+        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_z_loss"):
             if key in ref:
                 worst[key] = max(worst[key], abs(got[key] - ref[key]) / abs(ref[key]))
     for got, ref in zip(run["params"], reference["params"], strict=True):

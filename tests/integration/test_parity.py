@@ -44,6 +44,21 @@ def test_moe_balance_loss_changes_training(reference):
         assert got["moe_aux_loss"] > 0 and "moe_aux_loss" not in ref and ref["moe_load_max_over_mean"] >= 1
 
 
+def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_path):
+    """The global-batch reference (balance loss over all 8 sequences at once, plus the router z-loss) differs from
+    the sequence-scope one, and from itself without the z-loss, at every step by far more than the tolerance: its
+    layouts test the counts' reduction over the data ranks and the z-loss's gradient."""
+    per_sequence, global_batch = reference("single_process_moe_aux"), reference("single_process_moe_global")
+    no_z = train_layout(pools, 1, (*REFERENCES["single_process_moe_global"].overrides, "--moe.router_z_loss_coeff",
+                                   "0"), tmp_path)
+    for other in (per_sequence, no_z):
+        for got, ref in zip(global_batch["metrics"], other["metrics"], strict=True):
+            assert abs(got["grad_norm"] - ref["grad_norm"]) > 100 * TOLERANCE["grad_norm"] * ref["grad_norm"], (
+                got, ref)
+    assert all(m["moe_z_loss"] > 0 for m in global_batch["metrics"])
+    assert all("moe_z_loss" not in m for m in no_z["metrics"])
+
+
 @pytest.mark.parametrize("layout", ALL_LAYOUTS, ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)

@@ -589,9 +589,8 @@ INVALID_VALUES = [
     (["--profiling.save_traces_folder", ""], "profiling.save_traces_folder"),
     (["--profiling.save_traces_folder", "/tmp/traces"], "profiling.save_traces_folder"),
     (["--profiling.save_traces_folder", "../traces"], "profiling.save_traces_folder"),
-    # tensor parallel splits a sequence's tokens over tp for the MoE layers: no per-sequence balance loss there
-    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux", "--parallelism.tensor_parallel_degree",
-      "2"], "parallelism.tensor_parallel_degree"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux", "--moe.aux_loss_scope", "batch"],
+     "moe.aux_loss_scope"),
     # DeepSeek-V3's attention is split over its heads: n_heads (8 in debugmodel) must divide by tp
     (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree", "3"],
      "n_heads=8 is not divisible by tensor_parallel_degree=3"),

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.moe_balance import moe_layers, set_aux_loss_scale, update_expert_biases
+from torchtitan.components.moe_balance import moe_layers, update_expert_biases
 from torchtitan.models.moe import GroupedExperts, MoE, MoEArgs, TopKRouter
-from torchtitan.models.moe.moe import sequence_balance_loss
+from torchtitan.models.moe.balance_loss import balance_loss_sum
 
 DIM = 16
 
@@ -27,7 +27,7 @@ def test_router_picks_the_top_scores_and_normalises_them():
     args = MoEArgs(num_experts=6, top_k=2, route_norm=True, route_scale=2.5)
     router = _init(TopKRouter(DIM, args))
     x = torch.randn(10, DIM, dtype=torch.float64)
-    weights, experts, _ = router(x)
+    weights, experts, _, _ = router(x)
     scores = F.softmax(router.gate(x), dim=-1)
     for t in range(10):
         assert set(experts[t].tolist()) == set(scores[t].topk(2).indices.tolist())
@@ -40,7 +40,7 @@ def test_expert_bias_changes_the_choice_not_the_weights():
     router = _init(TopKRouter(DIM, args))
     x = torch.randn(8, DIM, dtype=torch.float64)
     bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
-    weights, experts, _ = router(x, bias)
+    weights, experts, _, _ = router(x, bias)
     assert experts.eq(3).all()  # the bias dominates the choice
     torch.testing.assert_close(weights[:, 0], torch.sigmoid(router.gate(x))[:, 3])  # unbiased weights
 
@@ -49,7 +49,7 @@ def test_group_limited_routing_matches_brute_force():
     args = MoEArgs(num_experts=8, top_k=2, score_func="sigmoid", num_expert_groups=4, num_limited_groups=2)
     router = _init(TopKRouter(DIM, args), seed=3)
     x = torch.randn(32, DIM, dtype=torch.float64)
-    _, experts, _ = router(x)
+    _, experts, _, _ = router(x)
     scores = torch.sigmoid(router.gate(x)).detach()
     for t in range(32):
         groups = scores[t].view(4, 2)
@@ -85,7 +85,7 @@ def test_grouped_mm_matches_the_loop_with_gradients(counts):
 def _reference_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: the weighted sum of its experts' SwiGLU outputs, plus the shared experts."""
     tokens = x.reshape(-1, x.shape[-1])
-    weights, experts, _ = layer.router(tokens, layer.expert_bias)
+    weights, experts, _, _ = layer.router(tokens, layer.expert_bias)
     e = layer.experts
     rows = []
     for t in range(tokens.shape[0]):
@@ -169,27 +169,29 @@ def test_sequence_balance_loss_matches_its_definition():
     batch, seq, experts, k = 2, 6, 4, 2
     scores = torch.rand(batch * seq, experts, dtype=torch.float64)
     chosen = scores.topk(k, dim=-1).indices
-    got = sequence_balance_loss(scores, chosen, batch, k)
+    got = balance_loss_sum(scores, chosen, batch, k, "sequence")
+    want = 0.0
     for b in range(batch):
         rows = slice(b * seq, (b + 1) * seq)
         f = torch.tensor([float((chosen[rows] == i).sum()) for i in range(experts)]) * experts / (k * seq)
         p = (scores[rows] / scores[rows].sum(-1, keepdim=True)).mean(0)
-        torch.testing.assert_close(got[b], (f * p).sum())
-    # perfectly balanced routing with uniform scores gives 1
+        want += (f * p).sum() * seq  # a sum over tokens: the sequence's loss times its tokens
+    torch.testing.assert_close(got, want)
+    # perfectly balanced routing with uniform scores gives 1 per token
     uniform = torch.full((4, 4), 0.25, dtype=torch.float64)
     balanced = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
-    assert float(sequence_balance_loss(uniform, balanced, 1, 2)) == pytest.approx(1.0)
+    assert float(balance_loss_sum(uniform, balanced, 1, 2, "sequence")) == pytest.approx(4.0)
 
 
 def test_balance_loss_reaches_the_gradients_scaled_by_the_global_batch():
-    """The layer's backward adds coeff x sum over its sequences of the balance loss / global batch size: the same
-    gradients as adding that term to the loss by hand; its value is kept for the metrics."""
+    """The layer's backward adds coeff x the balance loss summed over its tokens / tokens of the global batch: the
+    same gradients as adding that term to the loss by hand; its value is kept for the metrics."""
     args = MoEArgs(num_experts=6, top_k=2, hidden_dim=12, aux_loss_coeff=0.1, use_grouped_mm=False)
     layer = _init(MoE(DIM, args))
     with torch.no_grad():
         layer.tokens_per_expert.zero_()
         layer.aux_loss_sum.zero_()
-    set_aux_loss_scale({"moe": layer}, global_batch_size=8)
+    layer.token_scale = 1 / (8 * 5)  # a global batch of 8 sequences of 5 tokens
     x = torch.randn(3, 5, DIM, dtype=torch.float64)
     weight = torch.linspace(-1, 1, x.numel(), dtype=torch.float64).view_as(x)
     (layer(x) * weight).sum().backward()
@@ -197,26 +199,16 @@ def test_balance_loss_reaches_the_gradients_scaled_by_the_global_batch():
     reported = layer.aux_loss_sum.clone()
     for p in layer.parameters():
         p.grad = None
-    layer.aux_loss_scale = 0.0  # the hand-written total below adds the balance term itself
+    layer.token_scale = 0.0  # the hand-written total below adds the balance term itself
     out = layer(x)
-    _, experts, scores = layer.router(x.reshape(-1, DIM))
-    aux = 0.1 * sequence_balance_loss(scores, experts, 3, 2)
-    ((out * weight).sum() + aux.sum() / 8).backward()
+    _, experts, scores, _ = layer.router(x.reshape(-1, DIM))
+    aux = balance_loss_sum(scores, experts, 3, 2, "sequence")
+    ((out * weight).sum() + 0.1 * aux / 40).backward()
     for g, p in zip(got, layer.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-10)
     assert layer.router.gate.weight.grad.abs().sum() > 0
-    torch.testing.assert_close(reported, torch.stack([aux.detach().sum(), torch.tensor(3.0, dtype=torch.float64)]).to(
-        reported.dtype))
-    metrics, _ = update_expert_biases({"moe": layer}, data_mesh=None, has_aux=True)
-    # two counted forwards with the same value: their mean is the value
-    assert metrics["moe_aux_loss"] == pytest.approx(float(aux.detach().sum() / 3), rel=1e-6)
-
-
-def test_balance_loss_with_context_parallel_is_a_config_error():
-    from torchtitan.config.errors import ConfigError
-    from torchtitan.config.manager import load_config
-
-    with pytest.raises(ConfigError) as info:
-        load_config(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small_aux",
-                     "--parallelism.context_parallel_degree", "2", "--training.seq_len", "64"], 2)
-    assert "sequence-level MoE balance loss" in str(info.value) and "\n" not in str(info.value)
+    torch.testing.assert_close(reported, torch.tensor([float(aux.detach()), 0.0, 15.0], dtype=torch.float64))
+    metrics, _ = update_expert_biases({"moe": layer}, data_mesh=None)
+    # two counted forwards with the same value: their mean per token is the value per token
+    assert metrics["moe_aux_loss"] == pytest.approx(0.1 * float(aux.detach()) / 15, rel=1e-6)
+    assert "moe_z_loss" not in metrics

@@ -244,8 +244,12 @@ class MetricsLogger:
             parts.append(f"data {data:.1f}%")
         if (load := get("moe_load_max_over_mean")) is not None:
             parts.append(f"moe load {load:.2f}")  # busiest expert over the mean, worst MoE layer (1.00 = balanced)
+        if (idle := get("moe_idle_experts_max")) is not None:
+            parts.append(f"idle {idle}")  # most experts of one layer that got no token this step
         if (aux := get("moe_aux_loss")) is not None:
             parts.append(f"moe aux {aux:.4f}")
+        if (z := get("moe_z_loss")) is not None:
+            parts.append(f"moe z {z:.4f}")
         if eta is not None and math.isfinite(eta):
             parts.append(f"eta {_fmt_eta(eta)}")
         return "  ".join(parts)

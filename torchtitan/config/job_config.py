@@ -278,6 +278,24 @@ class MemoryEstimation:
 
 
 @dataclass
+class Moe:
+    load_balance_coeff: float | None = None
+    """Auxiliary-loss-free balancing: step of each expert's routing bias per optimizer step (unset = the flavor's)"""
+    aux_loss_coeff: float | None = None
+    """Weight of the MoE balance loss added to the training loss (unset = the flavor's; 0 = off; docs/models.md)"""
+    aux_loss_scope: str | None = None
+    """Tokens the balance loss counts over: sequence | microbatch | global_batch (unset = the flavor's)"""
+    router_z_loss_coeff: float | None = None
+    """Weight of the router z-loss, mean over tokens of logsumexp(router logits)^2 (unset = the flavor's; 0 = off)"""
+    collapse_load_fraction: float = 0.75
+    """Warn when a layer's busiest expert gets this fraction of its most possible load, num_experts/top_k x the mean"""
+    collapse_warn_after_steps: int = 10
+    """... for this many consecutive steps (then again every collapse_warn_every_steps while it lasts)"""
+    collapse_warn_every_steps: int = 100
+    """Steps between repeated warnings about a layer that stays near collapse"""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -294,3 +312,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    moe: Moe = field(default_factory=Moe)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.moe import fill_moe
 from torchtitan.config.validate import check_resolved
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import PipelinePlan, plan_pipeline
@@ -55,6 +56,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
             f"data-parallel degree = {t.local_batch_size} x {parallel_dims.dp_degree} = {per_microstep}"
         )
     check_resolved(cfg)
+    fill_moe(cfg)
     pipeline = None
     if parallel_dims.pp == 1:
         _check_no_pipeline_keys(cfg)

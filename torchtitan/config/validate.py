@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.moe import check_moe
 from torchtitan.distributed.pipeline_parallel import SCHEDULES
 
 
@@ -65,6 +66,7 @@ def check_values(cfg: JobConfig) -> None:
     _check_not_yet(cfg)  # after the range checks: a degree of 0 is invalid, not a feature still to come
     _check_checkpoint(cfg)
     _check_profiling(cfg)
+    check_moe(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
@@ -203,13 +205,6 @@ def _check_context_parallel(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     if cp == 1:
         return
-    from torchtitan.models.registry import get_model_spec  # lazy: see _check_model
-
-    moe = getattr(get_model_spec(cfg.model.name).flavors.get(cfg.model.flavor), "moe", None)
-    if moe is not None and moe.aux_loss_coeff > 0:
-        # Its per-sequence load and scores would need sums over the cp ranks' shares of each sequence.
-        _err(f"parallelism.context_parallel_degree={cp}: {cfg.model.name}/{cfg.model.flavor} has a sequence-level "
-             "MoE balance loss (aux_loss_coeff), not available with context parallel yet")
     for key, seq_len in seq_lens.items():
         if seq_len % (2 * cp):
             _err(f"{key}={seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each rank holds two "
@@ -242,12 +237,6 @@ def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     if not spec.supports_tensor_parallel:
         _err(f"parallelism.tensor_parallel_degree={tp}: model {cfg.model.name} has no tensor-parallel plan yet")
     model_args = spec.flavors[cfg.model.flavor]
-    moe = getattr(model_args, "moe", None)
-    if moe is not None and moe.aux_loss_coeff > 0:
-        # Tensor parallel splits each sequence's tokens over tp for the MoE layers: the per-sequence load and scores
-        # would need sums over the tp ranks.
-        _err(f"parallelism.tensor_parallel_degree={tp}: {cfg.model.name}/{cfg.model.flavor} has a sequence-level MoE "
-             "balance loss (aux_loss_coeff), not available with tensor parallel yet")
     errors = tp_divisibility_errors(model_args, tp, seq_lens)
     if errors:
         _err(f"parallelism.tensor_parallel_degree={tp} with model {cfg.model.name}/{cfg.model.flavor}: {errors[0]}")

@@ -198,6 +198,8 @@ class ParallelDims:
                 self._views["dp_cp_tp"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
             else:
                 self._views["dp_cp_tp"] = self._views["dp_shard_cp_tp"]
+            if self.cp > 1:
+                self._views["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp")
         if self.ep > 1:
             # The same ranks in a second layout: dp_shard x cp split into (efsdp, ep), ep inner, so one layer's
             # experts are spread over the nearest ranks of the same tp index. ep is listed last (the groups are the
@@ -267,6 +269,15 @@ class ParallelDims:
         """The ranks whose MoE layers route different tokens (their routing counts are summed over it): dp x cp,
         and tp with tensor parallel (which splits each MoE layer's tokens over tp)."""
         return self._views["dp_cp_tp"] if self.tp > 1 else self._views["dp_cp"]
+
+    def sequence_mesh(self):
+        """The ranks among which an MoE layer's tokens of one sequence are split: cp x tp (context parallel splits
+        every sequence, tensor parallel the MoE layers' share again); None when a rank holds whole sequences."""
+        if self.cp > 1 and self.tp > 1:
+            return self._views["cp_tp"]
+        if self.cp > 1 or self.tp > 1:
+            return self.world_mesh["cp" if self.cp > 1 else "tp"]
+        return None
 
     def fsdp_mesh(self):
         """1-D (dp_shard_cp) mesh for FSDP, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""

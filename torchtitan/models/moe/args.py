@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+AUX_LOSS_SCOPES = ("sequence", "microbatch", "global_batch")
+
 
 @dataclass(frozen=True)
 class MoEArgs:
@@ -29,8 +31,13 @@ class MoEArgs:
     """auxiliary-loss-free balancing: after each optimizer step every expert's routing bias moves by this much
     towards the mean load (0 = off, no bias)"""
     aux_loss_coeff: float = 0.0
-    """weight of the sequence-level balance loss added to the training loss (DeepSeek-V3's complementary loss:
-    per sequence, sum over experts of load fraction x mean score); 0 = off"""
+    """weight of the balance loss added to the training loss: sum over experts of f_i x P_i, f_i the share of routed
+    (token, slot) pairs on expert i times num_experts (1 when balanced), P_i its mean normalised score; 0 = off"""
+    aux_loss_scope: str = "sequence"
+    """the tokens f_i and P_i count over: sequence (DeepSeek-V3's complementary loss), microbatch (one data rank's
+    micro-batch) or global_batch (every data rank's micro-batch: Qwen3's global-batch loss); docs/models.md"""
+    router_z_loss_coeff: float = 0.0
+    """weight of the router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2; 0 = off"""
     use_grouped_mm: bool = True
     """run the experts with torch._grouped_mm (one kernel for all experts) instead of a loop over experts"""
 
@@ -48,6 +55,9 @@ class MoEArgs:
         elif groups > 1 and limited * (self.num_experts // groups) < self.top_k:
             errors.append(f"moe: num_limited_groups={limited} groups of {self.num_experts // groups} experts hold "
                           f"fewer than top_k={self.top_k}")
-        if self.aux_loss_coeff < 0 or self.load_balance_coeff < 0:
-            errors.append("moe: aux_loss_coeff and load_balance_coeff must be >= 0")
+        for key in ("load_balance_coeff", "aux_loss_coeff", "router_z_loss_coeff"):
+            if not getattr(self, key) >= 0:
+                errors.append(f"moe: {key} must be >= 0, got {getattr(self, key)}")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            errors.append(f"moe: aux_loss_scope '{self.aux_loss_scope}' is not one of {', '.join(AUX_LOSS_SCOPES)}")
         return errors

@@ -14,18 +14,23 @@ Load balancing without an auxiliary loss (DeepSeek-V3): `expert_bias` shifts whi
 its weights); `tokens_per_expert` counts the selections of the training forwards since the last update, and after
 each optimizer step the trainer moves every bias by load_balance_coeff towards the mean load
 (torchtitan/components/moe_balance.py), with the counts summed over the data-parallel ranks first.
+
+The balance loss and the router z-loss (balance_loss.py) join the training loss through this layer's own backward
+(`_AddAuxLossGradient`), scaled by `token_scale`; the balance loss's counts are summed over the ranks of its scope by
+`count_reduce`, which the trainer sets.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.balance_loss import balance_loss_sum, z_loss_sum
 from torchtitan.models.moe.experts import GroupedExperts
 from torchtitan.models.moe.router import TopKRouter
 from torchtitan.models.random_fill import TruncNormal
@@ -46,7 +51,7 @@ def no_token_counting() -> Iterator[None]:
 
 class _AddAuxLossGradient(torch.autograd.Function):
     """Returns `out` unchanged; its backward also sends gradient 1 into `aux_loss` (a scalar that already carries
-    its coefficient and normalisation). The balance loss thus joins the training loss without travelling through
+    its coefficients and normalisation). The balance losses thus join the training loss without travelling through
     the model's outputs, the pipeline schedule or the loss function."""
 
     @staticmethod
@@ -58,18 +63,6 @@ class _AddAuxLossGradient(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (aux_loss,) = ctx.saved_tensors
         return grad, torch.ones_like(aux_loss)
-
-
-def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
-    """Per sequence [batch]: sum over experts of f_i x P_i, with f_i the sequence's fraction of routed (token, slot)
-    pairs on expert i times num_experts (1 when balanced) and P_i the mean of its normalised scores. Only P carries
-    gradient (the selection is discrete)."""
-    num_experts = scores.shape[-1]
-    probs = (scores / scores.sum(dim=-1, keepdim=True)).view(batch, -1, num_experts)
-    with torch.no_grad():
-        picked = torch.zeros_like(scores).scatter_(1, experts, 1.0).view(batch, -1, num_experts)
-        load = picked.sum(dim=1) * num_experts / (top_k * picked.shape[1])
-    return (load * probs.mean(dim=1)).sum(dim=-1)
 
 
 class SharedExperts(nn.Module):
@@ -105,33 +98,34 @@ class MoE(nn.Module):
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
                              persistent=False)
-        # The balance loss of the counted forwards since the last report (sum over sequences, and how many), for the
-        # metrics only (torchtitan/components/moe_balance.py).
-        self.register_buffer("aux_loss_sum", torch.zeros(2, dtype=torch.float32), persistent=False)
-        self.aux_loss_scale = 1.0
-        """1 / sequences in the global batch: the trainer sets it (moe_balance.set_aux_loss_scale) so that the balance
-        loss is a mean over the global batch's sequences, whatever the layout"""
+        # For the metrics only (torchtitan/components/moe_balance.py): over the counted forwards since the last
+        # report, the balance loss's and the z-loss's sums over tokens (balance_loss.py, without coefficients), and
+        # the tokens.
+        self.register_buffer("aux_loss_sum", torch.zeros(3, dtype=torch.float64), persistent=False)
+        self.token_scale = 1.0
+        """1 / tokens in the global batch: the trainer sets it (moe_balance.configure_balance_losses) so that the
+        losses are means over the global batch's tokens, whatever the layout"""
+        self.count_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sums the balance loss's expert counts over the ranks that hold the other tokens of its scope (set from
+        outside, by moe_balance.configure_balance_losses: this module stays free of torch.distributed)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts, scores = self.router(tokens, self.expert_bias)
+        weights, experts, scores, logits = self.router(tokens, self.expert_bias)
         flat = experts.reshape(-1)  # (token, slot) pairs, slot-minor
         # A fixed-shape count (bincount's output shape depends on the values, which the memory estimator's fake
         # tensors do not have); integer adds give the same result in any order.
         counts = torch.zeros(self.args.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         aux = None
-        if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            aux = self.args.aux_loss_coeff * sequence_balance_loss(scores, experts, shape[0], self.args.top_k)
         if torch.is_grad_enabled() and _COUNT_TOKENS.get():  # training forwards only (validation: no_grad)
             # Recomputed forwards (activation checkpointing) count again, every expert of that layer alike: the
             # bias update looks only at which experts are above or below the mean, so it is unaffected (and the
-            # reported balance loss is a ratio of two sums that both double).
+            # reported losses are ratios of two sums that both double).
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
-                if aux is not None:
-                    self.aux_loss_sum += torch.stack([aux.detach().sum(), aux.new_tensor(float(shape[0]))])
+            aux = self._balance_losses(scores, logits, experts, shape[0])
         order = torch.argsort(flat, stable=True)
         routed = self.experts(tokens[order // self.args.top_k], counts)
         # back to (token, slot) order, weighted, summed over the slots: deterministic (no scatter-add)
@@ -140,8 +134,24 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if aux is not None:
-            out = _AddAuxLossGradient.apply(out, aux.sum() * self.aux_loss_scale)
+            out = _AddAuxLossGradient.apply(out, aux * self.token_scale)
         return out.view(shape)
+
+    def _balance_losses(self, scores: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor,
+                        batch: int) -> torch.Tensor | None:
+        """coeff x balance loss + coeff x z-loss, each summed over this forward's tokens (balance_loss.py); None
+        when both are off. Their values go to the metrics' sums."""
+        a = self.args
+        if a.aux_loss_coeff == 0 and a.router_z_loss_coeff == 0:
+            return None
+        zero = scores.new_zeros(())
+        balance = (balance_loss_sum(scores, experts, batch, a.top_k, a.aux_loss_scope, self.count_reduce)
+                   if a.aux_loss_coeff > 0 else zero)
+        z = z_loss_sum(logits) if a.router_z_loss_coeff > 0 else zero
+        with torch.no_grad():
+            self.aux_loss_sum += torch.stack([balance.detach(), z.detach(), zero + scores.shape[0]]).to(
+                self.aux_loss_sum.dtype)
+        return a.aux_loss_coeff * balance + a.router_z_loss_coeff * z
 
     def init_weights(self, out_std: float, param_init) -> None:
         self.router.init_weights(0.02, param_init)

@@ -24,9 +24,9 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [tokens, dim] -> (weights [tokens, top_k], expert indices [tokens, top_k], scores [tokens, experts]);
-        weights and scores in fp32 (or fp64 for an fp64 model)."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, dim] -> (weights [tokens, top_k], expert indices [tokens, top_k], scores [tokens, experts],
+        logits [tokens, experts]); weights, scores and logits in fp32 (or fp64 for an fp64 model)."""
         a = self.args
         logits = self.gate(x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # scores at least in fp32
@@ -42,7 +42,7 @@ class TopKRouter(nn.Module):
         weights = scores.gather(1, experts)
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * a.route_scale, experts, scores
+        return weights * a.route_scale, experts, scores, logits
 
     def init_weights(self, std: float, param_init) -> None:
         param_init(self.gate.weight, TruncNormal(std))
