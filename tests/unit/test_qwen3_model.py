@@ -293,8 +293,11 @@ def test_moe_blocks_run_their_moe_layer_on_the_sequence_shard_under_tensor_paral
     assert {"attention.q_norm", "attention.k_norm"} <= moe_plan.keys() & dense_plan.keys()
 
 
+# Without the balance loss: its counts are summed over the ranks by the trainer (components/moe_balance.py), which
+# these model-level tests leave out; the parity layouts cover it.
 _FSDP_ARGS = dataclasses.replace(qwen3_flavors["debugmodel_moe"], dim=64, head_dim=16, n_heads=4, n_kv_heads=2,
-                                 vocab_size=128, n_layers=2, max_seq_len=16)
+                                 vocab_size=128, n_layers=2, max_seq_len=16,
+                                 moe=dataclasses.replace(qwen3_flavors["debugmodel_moe"].moe, aux_loss_coeff=0.0))
 
 
 def _materialized(model: torch.nn.Module) -> None:

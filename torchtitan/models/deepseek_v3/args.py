@@ -70,7 +70,7 @@ class DeepSeekV3ModelArgs:
     """YaRN long-context scaling; None keeps plain RoPE."""
     moe: MoEArgs = MoEArgs(num_experts=256, top_k=8, hidden_dim=2048, num_shared_experts=1, score_func="sigmoid",
                            route_norm=True, route_scale=2.5, num_expert_groups=8, num_limited_groups=4,
-                           load_balance_coeff=1e-3)
+                           load_balance_coeff=1e-3, aux_loss_coeff=1e-4, aux_loss_scope="sequence")
     """The MoE blocks' settings (frozen, hence a valid dataclass default)."""
     tie_word_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection."""
@@ -140,7 +140,7 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         rope_scaling=None, max_seq_len=2048,
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=128, num_shared_experts=1, score_func="sigmoid",
                     route_norm=True, route_scale=2.5, num_expert_groups=4, num_limited_groups=2,
-                    load_balance_coeff=1e-3),
+                    load_balance_coeff=1e-3, aux_loss_coeff=1e-4, aux_loss_scope="sequence"),
     ),
     # Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, as quoted by third-party test suites and the
     # NeMo / slime Moonlight recipes): DeepseekV3ForCausalLM with 27 layers (first_k_dense_replace 1), hidden 2048,
@@ -154,7 +154,7 @@ deepseek_v3_flavors: dict[str, DeepSeekV3ModelArgs] = {
         rope_theta=50000.0, rope_scaling=None, max_seq_len=8192,
         moe=MoEArgs(num_experts=64, top_k=6, hidden_dim=1408, num_shared_experts=2, score_func="sigmoid",
                     route_norm=True, route_scale=2.446, num_expert_groups=1, num_limited_groups=1,
-                    load_balance_coeff=1e-3),
+                    load_balance_coeff=1e-3, aux_loss_coeff=1e-4, aux_loss_scope="sequence"),
     ),
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json, = transformers' DeepseekV3Config defaults): 61 layers
     # (first_k_dense_replace 3), hidden 7168, intermediate 18432, 128 heads, q_lora_rank 1536, kv_lora_rank 512,
