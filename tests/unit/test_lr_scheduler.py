@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor, schedule_bounds
 from torchtitan.config.job_config import LRScheduler
-from torchtitan.tools.logging import logger as tt_logger
 
 
 def factors(total: int, **cfg_kwargs) -> list[float]:
@@ -21,30 +19,6 @@ def factors(total: int, **cfg_kwargs) -> list[float]:
                   decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
         for s in range(total)
     ]
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warnings_log():
-    """The package logger may not propagate (init_logger), so attach a handler to it directly."""
-    handler = _Capture()
-    old_level = tt_logger.level
-    tt_logger.addHandler(handler)
-    if tt_logger.getEffectiveLevel() > logging.WARNING:
-        tt_logger.setLevel(logging.WARNING)
-    try:
-        yield handler.messages
-    finally:
-        tt_logger.removeHandler(handler)
-        tt_logger.setLevel(old_level)
 
 
 # --------------------------------------------------------------------------- warmup

@@ -9,8 +9,6 @@ gradient is the whole batch's gradient of its tokens. The ranks are simulated in
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -367,26 +365,6 @@ def test_update_expert_biases_reports_idle_experts_per_layer_and_the_max():
 # --------------------------------------------------------------------------- f. collapse warning
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warnings_logged():
-    handler = _Records()
-    log = logging.getLogger("torchtitan")  # propagate may be off (init_logger): listen on it directly
-    log.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        log.removeHandler(handler)
-
-
 def _observe(watch: CollapseWatch, loads: list[float], start: int = 1) -> list[int]:
     """Steps at which "a" is warned about; "b" stays balanced and must never be."""
     warned = []
@@ -399,20 +377,20 @@ def _observe(watch: CollapseWatch, loads: list[float], start: int = 1) -> list[i
     return warned
 
 
-def test_collapse_warns_after_a_streak_then_every_n_steps(warnings_logged):
+def test_collapse_warns_after_a_streak_then_every_n_steps(warnings_log):
     args = MoEArgs(num_experts=8, top_k=2)  # most possible load: 4x the mean; 0.75 of it: 3.0
     watch = CollapseWatch(args, load_fraction=0.75, after_steps=3, every_steps=4)
     assert _observe(watch, [3.5] * 12) == [3, 7, 11]
-    assert len(warnings_logged) == 3
-    assert "step 3" in warnings_logged[0] and " a " in warnings_logged[0] and "3 experts" in warnings_logged[0]
+    assert len(warnings_log) == 3
+    assert "step 3" in warnings_log[0] and " a " in warnings_log[0] and "3 experts" in warnings_log[0]
 
 
-def test_collapse_streak_resets_when_the_layer_recovers(warnings_logged):
+def test_collapse_streak_resets_when_the_layer_recovers(warnings_log):
     watch = CollapseWatch(MoEArgs(num_experts=8, top_k=2), load_fraction=0.75, after_steps=3, every_steps=4)
     loads = [3.5, 3.5, 2.9, 3.5, 3.5, 3.0, 3.5, 1.0, 4.0, 4.0, 4.0]
     # a streak of 2 broken at 2.9 (below 3.0); 3.0 itself counts: warned at its third step; then again from scratch
     assert _observe(watch, loads) == [6, 11]
-    assert len(warnings_logged) == 2
+    assert len(warnings_log) == 2
 
 
 def test_collapse_threshold_is_a_fraction_of_num_experts_over_top_k():
@@ -424,10 +402,10 @@ def test_collapse_threshold_is_a_fraction_of_num_experts_over_top_k():
     assert _observe(watch, [5.9, 6.1]) == [2]
 
 
-def test_collapse_fraction_zero_never_warns(warnings_logged):
+def test_collapse_fraction_zero_never_warns(warnings_log):
     watch = CollapseWatch(MoEArgs(num_experts=8, top_k=2), load_fraction=0.0, after_steps=1, every_steps=1)
     assert _observe(watch, [4.0] * 5 + [0.0] * 3) == []
-    assert warnings_logged == []
+    assert warnings_log == []
 
 
 # --------------------------------------------------------------------------- g. effect on a collapsed router
