@@ -8,14 +8,15 @@ scripts/moe_balance_study.py):
 
 | run | defaults | balancing off |
 |---|---|---|
-| train_configs/debug_moe.toml as shipped (Qwen3, 8 experts, top 2, 60 steps) | 2.42 | 3.93 (3.95 by steps 11-20) |
+| train_configs/debug_moe.toml as shipped (Qwen3, 8 experts, top 2, 60 steps) | 1.89 | 3.93 (3.95 by steps 11-20) |
 | DeepSeek-V3 debugmodel_small (8 experts, top 2, sigmoid scores), 100 steps at lr 2e-3 | 2.15 | 3.33 |
 
-Without balancing debug_moe.toml has collapsed by step 20, so that run stops there (it costs 40 s of CI otherwise).
-
-Each bound sits between the two columns with room for the step-to-step spread of this measure (+-0.3 between runs of
-neighbouring settings): a default that balances no better than nothing fails, and so does a model that no longer
-collapses without balancing (the test would then prove nothing).
+The debug_moe.toml bound, 2.0, is the target for the shipped debug config (these runs are deterministic on one
+machine; with seeds 1 and 2 instead of the config's 42 the defaults gave 2.19 and 2.07, so the margin is that of
+this seed). The other bounds sit between the two columns with room for the spread between runs of neighbouring
+settings (+-0.3): a default that balances no better than nothing fails, and so does a model that no longer collapses
+without balancing (the test would then prove nothing). Without balancing debug_moe.toml has collapsed by step 20,
+so that run stops there.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _late_load(pools, args, dump) -> float:
 
 
 @pytest.mark.parametrize(("name", "args", "balanced_below", "collapsed_above", "off_steps"), [
-    ("debug_moe_toml", DEBUG_MOE, 2.7, 3.5, "20"),
+    ("debug_moe_toml", DEBUG_MOE, 2.0, 3.5, "20"),
     ("deepseek_debugmodel_small", DEEPSEEK, 2.7, 3.0, "100"),
 ])
 def test_default_balancing_holds_and_off_collapses(name, args, balanced_below, collapsed_above, off_steps, pools,
