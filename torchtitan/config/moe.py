@@ -23,10 +23,15 @@ def flavor_moe_args(cfg: JobConfig) -> Any:
     return getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
 
 
+def _set_overrides(cfg: JobConfig) -> dict[str, Any]:
+    """The override keys that are set, by MoEArgs field name."""
+    return {key: getattr(cfg.moe, key) for key in OVERRIDES if getattr(cfg.moe, key) is not None}
+
+
 def with_moe_overrides(model_args: Any, cfg: JobConfig) -> Any:
     """`model_args` with the [moe] keys that are set replacing the flavor's MoEArgs fields."""
     moe = getattr(model_args, "moe", None)
-    changes = {key: getattr(cfg.moe, key) for key in OVERRIDES if getattr(cfg.moe, key) is not None}
+    changes = _set_overrides(cfg)
     if moe is None or not changes:
         return model_args
     return dataclasses.replace(model_args, moe=dataclasses.replace(moe, **changes))
@@ -35,14 +40,12 @@ def with_moe_overrides(model_args: Any, cfg: JobConfig) -> Any:
 def check_moe(cfg: JobConfig) -> None:
     """Each [moe] value on its own, then the flavor's MoEArgs with them (one line naming the first bad key)."""
     m, default = cfg.moe, Moe()
-    for key in ("load_balance_coeff", "aux_loss_coeff", "router_z_loss_coeff"):
-        value = getattr(m, key)
-        if value is not None and not value >= 0:
-            raise ConfigError(f"moe.{key}: must be >= 0 (0 = off), got {value}")
-    from torchtitan.models.moe.args import AUX_LOSS_SCOPES
+    from torchtitan.models.moe.args import MoEArgs
 
-    if m.aux_loss_scope is not None and m.aux_loss_scope not in AUX_LOSS_SCOPES:
-        raise ConfigError(f"moe.aux_loss_scope: '{m.aux_loss_scope}' is not one of {', '.join(AUX_LOSS_SCOPES)}")
+    # The override keys are MoEArgs fields: its own checks, on the values set here, name the key.
+    errors = [e for e in dataclasses.replace(MoEArgs(), **_set_overrides(cfg)).check() if e.startswith("moe.")]
+    if errors:
+        raise ConfigError(errors[0])
     if not 0 <= m.collapse_load_fraction <= 1:
         raise ConfigError(f"moe.collapse_load_fraction: must be in [0, 1] (0 = never warn), got "
                           f"{m.collapse_load_fraction}")

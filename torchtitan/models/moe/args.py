@@ -57,7 +57,7 @@ class MoEArgs:
                           f"fewer than top_k={self.top_k}")
         for key in ("load_balance_coeff", "aux_loss_coeff", "router_z_loss_coeff"):
             if not getattr(self, key) >= 0:
-                errors.append(f"moe: {key} must be >= 0, got {getattr(self, key)}")
+                errors.append(f"moe.{key}: must be >= 0 (0 = off), got {getattr(self, key)}")
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
-            errors.append(f"moe: aux_loss_scope '{self.aux_loss_scope}' is not one of {', '.join(AUX_LOSS_SCOPES)}")
+            errors.append(f"moe.aux_loss_scope: '{self.aux_loss_scope}' is not one of {', '.join(AUX_LOSS_SCOPES)}")
         return errors
