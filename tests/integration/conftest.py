@@ -13,9 +13,10 @@ def tt_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("torchtitan_cache")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pools(tmp_path_factory, tt_cache_dir):
-    """Persistent pools of 1, 2, 4 and 8 forked gloo ranks (tests/integration/pool.py), started on first use."""
+    """Persistent pools of 1, 2, 4 or 8 forked gloo ranks (tests/integration/pool.py), started on first use and
+    closed when the integration tests end (idle gloo ranks would slow the rest of the session down)."""
     env = {"TORCHTITAN_CACHE_DIR": str(tt_cache_dir), "TORCHINDUCTOR_CACHE_DIR": str(tt_cache_dir / "inductor"),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
            "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
@@ -36,7 +37,7 @@ def setup_error(pools: Pools, nproc: int, args, dump_folder) -> str:
     return errors[0]["error"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def reference(pools, tmp_path_factory):
     """The 1-process runs of REFERENCES, each trained once per session when first asked for."""
     cache: dict[str, dict] = {}

@@ -2,27 +2,38 @@
 
 `run_layout` parses the layout's command line with the trainer's own config code, builds the Trainer exactly as
 `run_train.sh` would (mesh, model, parallelisms, data, optimizer, checkpoint), trains, and returns per step the
-metrics the trainer logged (loss, gradient norm before clipping, validation loss) and a checksum of every
-parameter after the step. `compare` checks a run against the 1-process reference at the tolerances of
-docs/testing.md.
+metrics the trainer logged (loss, gradient norm before clipping, validation loss), a fingerprint of every
+parameter's gradient before clipping and of every parameter after the update. `compare` checks a run against the
+1-process reference at the tolerances of docs/testing.md, every tensor on its own.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.model_parts import named_parameters
 
 # Tolerances, relative, derived in docs/testing.md from the measured noise floor of mathematically equal runs.
-TOLERANCE = {"loss": 3e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "param": 1e-6, "moe_aux_loss": 2e-6, "moe_z_loss": 2e-6}
+TOLERANCE = {"loss": 3e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "moe_aux_loss": 2e-6, "moe_z_loss": 2e-6,
+             # every tensor on its own: each parameter's gradient norm before clipping, and its values
+             "grad": 2e-5, "param": 1e-4}
+METRICS = ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_z_loss")
+# Per reference and tensor, a tighter tolerance where that tensor's measured differences allow one: 10x the largest
+# over its noise floor and every layout, at least TENSOR_TOLERANCE_MIN (written by `python -m
+# tests.integration.noise_floor --write`, docs/testing.md). Tensors not listed use TOLERANCE["grad"/"param"].
+TENSOR_TOLERANCE_FILE = Path(__file__).parent / "data" / "tensor_tolerances.json"
+TENSOR_TOLERANCE = json.loads(TENSOR_TOLERANCE_FILE.read_text()) if TENSOR_TOLERANCE_FILE.exists() else {}
+TENSOR_TOLERANCE_MIN = 1e-7
 
 
 @dataclass(frozen=True)
@@ -37,12 +48,15 @@ class Layout:
     """the 1-process layout whose results this one must match"""
 
 
-def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: str = "success") -> dict | None:
-    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...]}, the others None.
+def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: str = "success",
+               fingerprints: bool = True) -> dict | None:
+    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...], "grads":
+    [...]} (per step; see tensor_fingerprints), the others None.
 
     expect="setup_error": building the Trainer must fail with a one-line ValueError (as `run()` reports it);
     expect="training_error": training must stop with a TrainingError. Every rank then returns {"error": message}
     (and rank 0 the metrics logged until then) instead of raising, so the pool stays usable.
+    fingerprints=False skips the per-tensor fingerprints (long runs that only read the metrics).
     """
     from torchtitan.components.step_guard import TrainingError
     from torchtitan.config.manager import load_config
@@ -51,8 +65,8 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
 
     rank, _, world = env_world()
     cfg, resolved = load_config([*argv, "--job.dump_folder", dump_folder], world)
-    parallel_dims = resolved.parallel_dims
-    params: list[dict[str, list[float]]] = []
+    params: list[dict] = []
+    grads: list[dict] = []
     # The layout's process groups stay alive after it: DTensor caches sharding decisions per (equal) mesh, so a
     # later layout with an equal mesh reuses the groups an earlier one created (same ranks, same meaning), and
     # destroying them would leave those cache entries pointing at dead groups.
@@ -63,15 +77,28 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
             return {"error": str(e)}
         raise
     assert expect != "setup_error", "the layout was expected to fail during setup, but the Trainer was built"
-    for fault in faults:
-        FAULTS[fault[0]](trainer, *fault[1:])
+    undo = [FAULTS[fault[0]](trainer, *fault[1:]) for fault in faults]
+    # The guard is asked after the gradient norm and before clipping: the gradients are then final and unclipped.
+    should_step = trainer.guard.should_step
+
+    def fingerprint_then_ask(local_loss_sum, grad_norm):
+        grads.append(tensor_fingerprints(trainer.model_parts, "grad"))
+        return should_step(local_loss_sum, grad_norm)
+
+    if fingerprints:
+        trainer.guard.should_step = fingerprint_then_ask
     result: dict[str, Any] = {}
     try:
-        trainer.train(after_step=lambda step: params.append(param_checksums(trainer.model_parts, parallel_dims)))
+        trainer.train(after_step=lambda step: params.append(tensor_fingerprints(trainer.model_parts, "param"))
+                      if fingerprints else None)
     except TrainingError as e:
         if expect != "training_error":
             raise
         result["error"] = str(e)
+    finally:
+        for restore in undo:
+            if restore is not None:  # the pool's next layout must run unmutated code
+                restore()
     assert expect != "training_error" or "error" in result, "training was expected to stop with an error"
     trainer.close()
     if rank != 0:
@@ -79,46 +106,81 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
     metrics_file = Path(dump_folder) / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line] \
         if metrics_file.exists() else []
-    return {**result, "metrics": metrics, "params": params}
+    return {**result, "metrics": metrics, "params": params, "grads": grads}
 
 
-def param_checksums(model_parts: list[torch.nn.Module], parallel_dims) -> dict[str, list[float]]:
-    """name -> [sum, sum of |x|, sum of x^2] of every parameter over the whole job, in float64.
+def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str) -> dict[str, list[list[float]]]:
+    """name -> the distinct fingerprints of every parameter (of="param") or its gradient (of="grad") over the job.
 
-    Each rank adds the elements it holds uniquely (a shard counts once; a replica only on the rank whose
-    coordinate is 0 on every replicated mesh dimension), and one all-gather merges the partial sums by name,
-    so stages or expert groups that hold different parameters merge too.
+    A gradient's fingerprint is its L2 norm; a parameter's is its norm and PROJECTIONS projections on fixed random
+    vectors (one set per name), so a value in the wrong place shows even where whole-tensor sums would not.
+    Computed in float64 from the whole tensor (a DTensor is gathered over its mesh: every rank holding it takes
+    part, in the same order). Each rank reports what it holds and one all-gather merges them by name, keeping every
+    distinct copy: replicas that drifted apart (a missing reduction over tp or a replicate dimension) show as
+    several copies, each compared with the reference.
     """
     mine: dict[str, list[float]] = {}
     for name, p in named_parameters(model_parts):
-        if isinstance(p, DTensor):
-            coordinate = p.device_mesh.get_coordinate()
-            owner = all(c == 0 for c, pl in zip(coordinate, p.placements, strict=True) if isinstance(pl, Replicate))
-            local = p.to_local()
-        else:  # a plain replica (one process, DDP): counted once, on the first rank of every other dimension
-            owner = all(parallel_dims.world_mesh[d].get_local_rank() == 0 for d in ("dp_replicate", "dp_shard", "cp",
-                                                                                    "tp"))
-            local = p
-        if owner:
-            x = local.detach().to(torch.float64)
-            mine[name] = [x.sum().item(), x.abs().sum().item(), x.square().sum().item()]
+        t = p if of == "param" else p.grad
+        if t is None:
+            continue
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        x = whole.detach().to(torch.float64).flatten()
+        norm = torch.linalg.vector_norm(x).item()
+        mine[name] = [norm] if of == "grad" else [norm, *(_projections(name, x.numel()) @ x).tolist()]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    merged: dict[str, list[float]] = {}
+    merged: dict[str, list[list[float]]] = {}
     for part in gathered:
-        for name, sums in part.items():
-            merged[name] = [a + b for a, b in zip(merged.get(name, [0.0, 0.0, 0.0]), sums, strict=True)]
+        for name, values in part.items():
+            copies = merged.setdefault(name, [])
+            if values not in copies:
+                copies.append(values)
     return merged
 
 
-def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE) -> list[str]:
-    """Every discrepancy beyond tolerance, worst first per kind; empty when the run matches the reference."""
+PROJECTIONS = 2
+_PROJECTIONS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _projections(name: str, numel: int) -> torch.Tensor:
+    """PROJECTIONS x numel standard normal vectors, the same for a name in every process."""
+    key = (name, numel)
+    if key not in _PROJECTIONS:
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        _PROJECTIONS[key] = torch.randn(PROJECTIONS, numel, generator=generator, dtype=torch.float64)
+    return _PROJECTIONS[key]
+
+
+def tensor_difference(of: str, got: list[float], ref: list[float]) -> float:
+    """Relative difference of two fingerprints: about |got - ref| / |ref| of the tensors themselves (a projection
+    on a unit-variance random vector moves by about the norm of the difference)."""
+    scale = max(ref[0], 1e-30)
+    return max(abs(g - r) for g, r in zip(got, ref, strict=True)) / scale
+
+
+def tensor_differences(run: dict, reference: dict) -> dict[tuple[str, str], float]:
+    """(kind, name) -> the largest relative difference of that tensor's fingerprints over the compared steps."""
+    worst: dict[tuple[str, str], float] = {}
+    for kind, of in (("grads", "grad"), ("params", "param")):
+        for got, ref in zip(run[kind], reference[kind], strict=False):
+            for name, (ref_values,) in ref.items():
+                for copy in got.get(name, ()):
+                    rel = tensor_difference(of, copy, ref_values)
+                    worst[(of, name)] = max(worst.get((of, name), 0.0), rel)
+    return worst
+
+
+def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE, tensors: dict | None = None
+            ) -> list[str]:
+    """Every discrepancy beyond tolerance, worst first; empty when the run matches the reference. `tensors`:
+    {"grad"|"param": {name: tolerance}} for this reference (TENSOR_TOLERANCE[reference name])."""
     problems: list[tuple[float, str]] = []
     ref_metrics, got_metrics = reference["metrics"], run["metrics"]
     if [m["step"] for m in got_metrics] != [m["step"] for m in ref_metrics]:
         return [f"logged steps {[m['step'] for m in got_metrics]} != reference {[m['step'] for m in ref_metrics]}"]
     for got, ref in zip(got_metrics, ref_metrics, strict=True):
-        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_z_loss"):
+        for key in METRICS:
             if key in ref or key in got:
                 if key not in got or key not in ref:
                     problems.append((math.inf, f"step {ref['step']}: {key} logged by only one of the runs"))
@@ -126,18 +188,22 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE)
                 rel = abs(got[key] - ref[key]) / max(abs(ref[key]), 1e-12)
                 if not rel <= tolerance[key]:
                     problems.append((rel, f"step {ref['step']}: {key} {got[key]!r} vs {ref[key]!r} (rel {rel:.2e})"))
-    if len(run["params"]) != len(reference["params"]):
-        problems.append((math.inf, f"{len(run['params'])} parameter checksums vs {len(reference['params'])}"))
-    for step, (got, ref) in enumerate(zip(run["params"], reference["params"], strict=False), start=1):
-        if set(got) != set(ref):
-            problems.append((math.inf, f"step {step}: parameter names differ: {sorted(set(got) ^ set(ref))[:4]}"))
-            continue
-        for name in ref:
-            (s, a, q), (rs, ra, rq) = got[name], ref[name]
-            # the plain sum can cancel to ~0: measure its error against the sum of magnitudes instead
-            rel = max(abs(s - rs) / max(ra, 1e-30), abs(a - ra) / max(ra, 1e-30), abs(q - rq) / max(rq, 1e-30))
-            if not rel <= tolerance["param"]:
-                problems.append((rel, f"step {step}: parameter {name} checksum off by {rel:.2e} relative"))
+    steps = [m["step"] for m in ref_metrics]
+    for kind, of in (("grads", "grad"), ("params", "param")):
+        if len(run[kind]) != len(reference[kind]):
+            problems.append((math.inf, f"{len(run[kind])} steps of {of} fingerprints vs {len(reference[kind])}"))
+        for step, got, ref in zip(steps, run[kind], reference[kind], strict=False):
+            if set(got) != set(ref):
+                problems.append((math.inf, f"step {step}: {of} names differ: {sorted(set(got) ^ set(ref))[:4]}"))
+                continue
+            for name, (ref_values,) in ref.items():
+                limit = (tensors or {}).get(of, {}).get(name, tolerance[of])
+                for copy in got[name]:
+                    rel = tensor_difference(of, copy, ref_values)
+                    if not rel <= limit:
+                        what = "gradient norm" if of == "grad" else "values"
+                        copies = f" (one of {len(got[name])} differing copies)" if len(got[name]) > 1 else ""
+                        problems.append((rel, f"step {step}: {name} {what} off by {rel:.2e} relative{copies}"))
     problems.sort(key=lambda p: -p[0])
     return [text for _, text in problems]
 
@@ -146,14 +212,18 @@ def max_relative_differences(run: dict, reference: dict) -> dict[str, float]:
     """The largest relative difference of each kind: the noise floor when both runs are mathematically equal."""
     worst = dict.fromkeys(TOLERANCE, 0.0)
     for got, ref in zip(run["metrics"], reference["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_z_loss"):
+        for key in METRICS:
             if key in ref:
                 worst[key] = max(worst[key], abs(got[key] - ref[key]) / abs(ref[key]))
-    for got, ref in zip(run["params"], reference["params"], strict=True):
-        for name in ref:
-            (s, a, q), (rs, ra, rq) = got[name], ref[name]
-            worst["param"] = max(worst["param"], abs(s - rs) / ra, abs(a - ra) / ra, abs(q - rq) / rq)
+    for (of, _), rel in tensor_differences(run, reference).items():
+        worst[of] = max(worst[of], rel)
     return worst
+
+
+def from_step(run: dict, first: int) -> dict:
+    """The steps >= first of a run (its metrics file may also hold the steps of the run it resumed)."""
+    metrics = [m for m in run["metrics"] if m["step"] >= first]
+    return {"metrics": metrics, "params": run["params"][-len(metrics):], "grads": run["grads"][-len(metrics):]}
 
 
 # ---- faults and mutations the tests inject into a built Trainer (never into production code) -------------------
@@ -205,4 +275,42 @@ def _average_gradients(trainer) -> None:
         state._comm_hook_args[0] = ((hook_state, average_hook), kwargs)
 
 
-FAULTS = {"nan_gradient": _nan_gradient, "average_gradients": _average_gradients}
+def _scale_gradients(trainer, factors: dict[str, float]) -> Callable[[], None]:
+    """The bug a wrong reduction of one parameter produces (a missing or doubled sum over tp, a replica averaged
+    once too often): the named parameters' gradients, as reduced, off by a constant factor from the first step. Applied
+    where the step takes the gradient norm, so the logged norm, clipping and the update all see the wrong gradients.
+    Returns the undo (the pool's next layout runs the real step)."""
+    from torchtitan.components import step as step_module
+
+    total_grad_norm = step_module.total_grad_norm
+    scaled = [(p, factors[name]) for name, p in named_parameters(trainer.model_parts) if name in factors]
+
+    def scale_then_norm(params, pp_mesh=None):
+        for p, factor in scaled:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+        return total_grad_norm(params, pp_mesh)
+
+    step_module.total_grad_norm = scale_then_norm
+    return lambda: setattr(step_module, "total_grad_norm", total_grad_norm)
+
+
+def _misplace_values(trainer, name: str, step: int) -> None:
+    """After step `step`, the named parameter's values rolled by one place along its last dimension on every rank
+    that holds a piece of it: the same values in the wrong places (the bug a shard written at a wrong offset makes),
+    invisible to whole-tensor sums."""
+    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
+    local = param.to_local() if isinstance(param, DTensor) else param
+    (optimizer,) = [opt for opt in trainer.optimizer.optimizers
+                    if any(p is param for group in opt.param_groups for p in group["params"])]
+
+    def hook(optimizer, args, kwargs):
+        if trainer.guard.step == step:
+            with torch.no_grad():
+                local.copy_(local.roll(1, dims=-1))
+
+    optimizer.register_step_post_hook(hook)
+
+
+FAULTS = {"nan_gradient": _nan_gradient, "average_gradients": _average_gradients, "scale_gradients": _scale_gradients,
+          "misplace_values": _misplace_values}

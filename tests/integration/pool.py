@@ -45,6 +45,7 @@ def _serve(rank: int, world: int, port: int, conn, env: dict[str, str], log_path
         init_logger()
         init_distributed(timeout_s=int(env.get("POOL_INIT_TIMEOUT", "60")),
                          trace_buf_size=int(env.get("POOL_TRACE_BUF_SIZE", "0")))
+        _build_each_mesh_once()
         conn.send(("ready", None))
         while True:
             try:
@@ -67,6 +68,32 @@ def _serve(rank: int, world: int, port: int, conn, env: dict[str, str], log_path
             pass
     finally:
         os._exit(0)  # never run gloo's teardown (see docs/architecture.md, 'The exit path')
+
+
+def _build_each_mesh_once() -> None:
+    """Layouts of the same degrees share one world mesh (and its flattened views) in this rank.
+
+    Each new gloo group brings its own transport device, whose event loop wakes every few milliseconds even when
+    idle: measured 2026-11-26, after six layouts a 4-rank pool's ranks held 121 threads each and burnt 10% of a core
+    each while waiting for the next request, time the 2-core machine lost for the rest of the suite. Equal meshes
+    mean the same ranks in the same roles, so reusing them changes nothing a layout computes (DTensor already
+    caches its sharding decisions per equal mesh, see parity.run_layout).
+    """
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    build = ParallelDims.build_mesh
+    built: dict[tuple, tuple] = {}
+
+    def build_once(self, device_type: str):
+        key = (device_type, self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep, self.efsdp,
+               self.etp)
+        if key not in built:
+            built[key] = (build(self, device_type), dict(self._views))
+        self._world_mesh, views = built[key]
+        self._views = dict(views)
+        return self._world_mesh
+
+    ParallelDims.build_mesh = build_once
 
 
 class RankPool:
@@ -146,17 +173,19 @@ class RankPool:
         self._conns, self._procs = [], []
 
 
-# Jobs a pool runs before it is replaced by fresh processes. Every job's meshes create process groups, and gloo keeps
-# threads for each (a TCP loop and run loops) until its process ends: measured 2026-11-24, a 4-rank pool's ranks held
-# 1,033 threads each after ~30 layouts, and their polling took over half of the 2-core machine (57% system time, load
-# average above 50) for the rest of the suite, so that later tests timed out. Destroying a job's groups instead breaks
-# the next job: DTensor caches flattened meshes by layout, with their (destroyed) groups. A new pool costs ~1-3 s.
+# Jobs a pool runs before it is replaced by fresh processes. A job with a new mesh shape creates process groups, and
+# gloo keeps threads for each (a TCP loop and run loops) until its process ends: measured 2026-11-24, a 4-rank pool's
+# ranks held 1,033 threads each after ~30 layouts, and their polling took over half of the 2-core machine (57% system
+# time, load average above 50) for the rest of the suite. Destroying a job's groups instead breaks the next job:
+# DTensor caches flattened meshes by layout, with their (destroyed) groups. Equal meshes are reused
+# (_build_each_mesh_once), so groups grow with the distinct shapes only. A new pool costs ~1-3 s.
 JOBS_PER_POOL = 6
 
 
 class Pools:
-    """One live pool per world size for a test session, created on first use, replaced after a failure and after
-    JOBS_PER_POOL jobs."""
+    """The 1-rank pool (the references) and one multi-rank pool, of the world size last asked for: created on first
+    use, replaced after a failure, after JOBS_PER_POOL jobs and when another world size is asked for (an idle pool's
+    gloo threads cost CPU the active one needs; tests/integration/test_parity.py orders its layouts by world size)."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]):
         self.log_dir, self.env = Path(log_dir), env
@@ -165,6 +194,8 @@ class Pools:
         self._generation = 0
 
     def get(self, world: int) -> RankPool:
+        for other in [w for w in self._pools if w not in (world, 1)]:
+            self._pools.pop(other).close()
         pool = self._pools.get(world)
         self._jobs[world] = self._jobs.get(world, 0) + 1
         if pool is not None and pool.alive and self._jobs[world] > JOBS_PER_POOL:

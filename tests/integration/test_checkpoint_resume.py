@@ -42,7 +42,7 @@ def _resume_from(source, step: int, dest) -> None:
 def _from_step(run: dict, first: int) -> dict:
     """The steps >= first of a run (its metrics file may also hold the steps of the run it resumed)."""
     metrics = [m for m in run["metrics"] if m["step"] >= first]
-    return {"metrics": metrics, "params": run["params"][-len(metrics):]}
+    return {"metrics": metrics, "params": run["params"][-len(metrics):], "grads": run["grads"][-len(metrics):]}
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ DEEPSEEK = ("--job.config_file", str(REPO / "train_configs" / "debug_model.toml"
 
 def _late_load(pools, args, dump) -> float:
     """Mean over the last 10 steps of the worst layer's max/mean expert load, trained on one process."""
-    run = pools.get(1).run(run_layout, [*args, *RUN], str(dump), timeout=600.0)[0]
+    run = pools.get(1).run(run_layout, [*args, *RUN], str(dump), (), "success", False, timeout=600.0)[0]
     loads = [m["moe_load_max_over_mean"] for m in run["metrics"]][-10:]
     assert len(loads) == 10 and all(m["moe_idle_experts_max"] >= 0 for m in run["metrics"])
     return sum(loads) / len(loads)
