@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import torch
 
@@ -91,19 +90,31 @@ def test_flight_recorder_environment():
 def test_a_rank_stuck_after_sigterm_exits_after_the_grace_period(tmp_path):
     """A preempted rank that never reaches the end of its step (a hung read, a dead peer) must not wait for the
     launcher's SIGKILL: it exits with code 1 once the grace period has passed."""
+    # The rank sleeps forever, so only the watchdog can end it; the watchdog's wait for the acknowledgement is
+    # recorded, so the test sees that it waits the grace period (not 0, not the 300 s default) without a clock.
     code = textwrap.dedent("""
         import time
         from torchtitan.distributed.preemption import PreemptionFlag
         flag = PreemptionFlag("SIGTERM", grace_s=1.0)
+        wait = flag._acknowledged.wait
+        def recorded_wait(timeout=None):
+            print(f"watchdog waits {timeout}", flush=True)
+            return wait(timeout)
+        flag._acknowledged.wait = recorded_wait
         print("ready", flush=True)
-        time.sleep(60)
+        while True:
+            time.sleep(3600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    start = time.monotonic()
-    os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 1 and time.monotonic() - start < 10, err
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # guards against a hang only: the exit cannot come from the sleep
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and out.splitlines() == ["watchdog waits 1.0"], (out, err)
     assert "did not reach the end of its step within 1 s" in err
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,17 @@ def test_405b_on_512_ranks():
     assert wq["count"] == 126 and wq["global_shape"] == [16384, 16384] and wq["local_shape"] == [32, 16384]
     assert "tp:S(0)" in wq["placements"] and sum(r["count"] for r in rank0["rows"]) == rank0["tensors"]
     verdict = out["verdict"]
-    assert verdict["fits"] in (True, False) and 0 < verdict["peak_gib"] < 79.1
+    # The default target: an H100's 79.1 GiB, 3 GiB of it reserved for memory outside tensors.
+    assert (out["device"], verdict["capacity_gib"], verdict["reserve_gib"]) == ("h100", 79.1, 3.0)
+    [worst] = verdict["per_rank"]
+    assert verdict["peak_gib"] == worst["peak_bytes"] / 2**30
+    assert verdict["needed_gib"] == pytest.approx(verdict["peak_gib"] + 3.0)
+    assert verdict["headroom_gib"] == pytest.approx(79.1 - verdict["needed_gib"])
+    # The documented job fits, with room (docs/memory_estimation.md: peak 18.18 GiB + 3 GiB of 79.1): rank 0's
+    # states between steps (parameters, gradients, AdamW, 11.8 GiB) plus one 8192-token sequence's activations under
+    # full AC, split over tp 8.
+    states = sum(worst["steady_bytes"].values()) / 2**30
+    assert states < verdict["peak_gib"] < 79.1 - 3.0 and verdict["fits"] is True
     assert verdict["per_rank"][0]["extrapolated_from"] == [4, 8]
     # The tracked steady state of the estimator equals the table's bytes for the states it holds between steps.
     steady = verdict["per_rank"][0]["steady_bytes"]
@@ -69,7 +80,8 @@ def test_405b_on_512_ranks():
 
 
 def test_debug_model_bytes_per_rank_exact():
-    proc = _run(["--world-size", "2", "--device", "cpu", "--json", *DEBUG])
+    # 0.25 GiB of memory: less than the debug model's peak (about 0.41 GiB), so the verdict must say it does not fit.
+    proc = _run(["--world-size", "2", "--device", "cpu", "--memory-gib", "0.25", "--json", *DEBUG])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     [rank0] = out["parameters"]
@@ -82,6 +94,10 @@ def test_debug_model_bytes_per_rank_exact():
     # ... and the estimator, which traces the real optimizer creating its state, holds exactly as much.
     assert out["verdict"]["per_rank"][0]["steady_bytes"] == b
     assert out["layout"]["param_dtype"] == "float32"
+    verdict = out["verdict"]
+    assert (verdict["capacity_gib"], verdict["reserve_gib"]) == (0.25, 0.0)  # no reserve on the CPU target
+    assert verdict["peak_gib"] > sum(b.values()) / 2**30 and verdict["peak_gib"] > 0.25
+    assert verdict["fits"] is False and verdict["headroom_gib"] == pytest.approx(0.25 - verdict["peak_gib"])
 
 
 def test_pipeline_stage_split_and_a_rank_per_stage():

@@ -255,12 +255,18 @@ def _rows(batch: dict) -> np.ndarray:
     return torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1).numpy()
 
 
-def _run(loaders: list[PretokenizedDataLoader], steps: int, windows: np.ndarray, reads: list) -> None:
-    """Each rank's `steps` batches must be its windows (step n, rank r, row i = window n*G + r*b + i)."""
+def _run(loaders: list[PretokenizedDataLoader], steps: int, windows: np.ndarray, reads: list,
+         batches: list | None = None) -> None:
+    """Each rank's `steps` batches must be its windows (step n, rank r, row i = window n*G + r*b + i); `batches`,
+    if given, gets each rank's list of batches."""
     for r, loader in enumerate(loaders):
         it = iter(loader)
+        if batches is not None:
+            batches.append([])
         for _ in range(steps):
             batch = next(it)
+            if batches is not None:
+                batches[-1].append(batch)
             first, count = loader.last_read
             w, b = loader.seq_len + 1, loader.local_batch_size
             assert count == b * w and first // w == loader.state_dict()["sequences_consumed"] - \
@@ -276,16 +282,27 @@ def _covered_once(reads: list[tuple[int, int]], total: int) -> bool:
 
 
 def test_1024_simulated_ranks_read_disjoint_windows_and_constant_work(tmp_path: Path) -> None:
-    seq_len, b, steps, tok = 15, 1, 3, ByteTokenizer()
-    _write(tmp_path, _source(500), tok, shard_tokens=4000)
+    # Local batch 4: with 1 a rank offset of r instead of r * b would read the same windows.
+    seq_len, b, steps, tok = 15, 4, 3, ByteTokenizer()
+    # About 100K tokens: a global batch of 1024 x 4 windows of 16 tokens is 65,536, so 3 steps cross an epoch end.
+    _write(tmp_path, _source(2000), tok, shard_tokens=4000)
     source = open_pretokenized(str(tmp_path))  # one object for all simulated ranks: it only maps files
+    assert 2 * 1024 * b * (seq_len + 1) > source.tokens_per_epoch >= 1024 * b * (seq_len + 1)
     per_rank = {}
     for dp in (8, 1024):
         loaders = [_pre_loader(source, tok, seq_len, b, r, dp, document_masking=True) for r in range(dp)]
-        windows, reads = _reference_windows(tmp_path, seq_len, steps * dp * b), []
-        _run(loaders, steps, windows, reads)
+        windows, reads, batches = _reference_windows(tmp_path, seq_len, steps * dp * b), [], []
+        _run(loaders, steps, windows, reads, batches)
         assert _covered_once(reads, steps * dp * b * (seq_len + 1))  # disjoint, and every window once
         assert len({str(loader.state_dict()) for loader in loaders}) == 1
+        # One reader of the whole global batch: rank r's batch is its rows r*b .. (r+1)*b - 1, every key (tokens,
+        # labels, positions, document ids) included.
+        single = iter(_pre_loader(source, tok, seq_len, dp * b, 0, 1, document_masking=True))
+        for step in range(steps):
+            whole = next(single)
+            for r in range(dp):
+                rows = {k: v[r * b:(r + 1) * b] for k, v in whole.items()}
+                assert _same_batch(batches[r][step], rows), (dp, step, r)
         per_rank[dp] = [loader.reads for loader in loaders]
     # Per-rank work: exactly b*W tokens a step at any dp degree, and the same bounds on slices (a window
     # crosses at most one shard end and one epoch end) and on document starts (documents are >= 2 tokens).
