@@ -3,8 +3,10 @@ own code), async saves with a Hugging Face export, and kill -9 / SIGTERM through
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import random
 import shutil
 import signal
 import time
@@ -12,9 +14,9 @@ import time
 import pytest
 
 from tests.integration.conftest import setup_error, train_layout
-from tests.integration.launch import kill_tree, run_train, start_train
-from tests.integration.layouts import dp
-from tests.integration.parity import compare
+from tests.integration.launch import REPO, kill_tree, run_train, start_train
+from tests.integration.layouts import COMMON, dp
+from tests.integration.parity import compare, from_step
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +41,6 @@ def _resume_from(source, step: int, dest) -> None:
     shutil.copytree(source / "checkpoint" / f"step-{step}", dest / "checkpoint" / f"step-{step}")
 
 
-def _from_step(run: dict, first: int) -> dict:
-    """The steps >= first of a run (its metrics file may also hold the steps of the run it resumed)."""
-    metrics = [m for m in run["metrics"] if m["step"] >= first]
-    return {"metrics": metrics, "params": run["params"][-len(metrics):], "grads": run["grads"][-len(metrics):]}
-
-
 @pytest.fixture(scope="module")
 def straight_fsdp4(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
@@ -61,7 +57,7 @@ def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, pools, tmp_path
     _resume_from(folder, 6, tmp_path)
     resumed = train_layout(pools, 4, (*CKPT, *FSDP4), tmp_path)
     assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
-    expected = _from_step(straight, 7)
+    expected = from_step(straight, 7)
     for got, ref in zip(resumed["metrics"], expected["metrics"], strict=True):
         assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
                                                                          ref.get("val_loss")), (got, ref)
@@ -73,7 +69,7 @@ def test_resume_on_hsdp_continues_the_curve(straight_fsdp4, pools, tmp_path):
     _resume_from(folder, 6, tmp_path)
     resumed = train_layout(pools, 4, (*CKPT, *dp(1, 4), "--parallelism.data_parallel_replicate_degree", "2"),
                            tmp_path)
-    problems = compare(resumed, _from_step(straight, 7))
+    problems = compare(resumed, from_step(straight, 7))
     assert not problems, problems[:5]
 
 
@@ -83,10 +79,10 @@ def test_resume_across_tensor_parallel_both_ways(straight_fsdp4, pools, tmp_path
     tp_run, back = tmp_path / "fsdp2_tp2", tmp_path / "fsdp4"
     _resume_from(folder, 6, tp_run)
     resumed = train_layout(pools, 4, (*CKPT, *TP2, "--checkpoint.interval", "3"), tp_run)
-    assert not compare(resumed, _from_step(straight, 7))
+    assert not compare(resumed, from_step(straight, 7))
     _resume_from(tp_run, 9, back)
     again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
-    problems = compare(again, _from_step(straight, 10))
+    problems = compare(again, from_step(straight, 10))
     assert not problems, problems[:5]
 
 
@@ -96,10 +92,10 @@ def test_resume_on_one_unwrapped_process_both_ways(straight_fsdp4, pools, tmp_pa
     single, back = tmp_path / "single", tmp_path / "fsdp4"
     _resume_from(folder, 6, single)
     resumed = train_layout(pools, 1, (*CKPT, *dp(8, 1), "--checkpoint.interval", "3"), single)
-    assert not compare(resumed, _from_step(straight, 7))
+    assert not compare(resumed, from_step(straight, 7))
     _resume_from(single, 9, back)
     again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
-    problems = compare(again, _from_step(straight, 10))
+    problems = compare(again, from_step(straight, 10))
     assert not problems, problems[:5]
 
 
@@ -119,7 +115,7 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
     _resume_from(folder, 6, pp_run)
     resumed = train_layout(pools, 4, (*CKPT, *PP2_FSDP2, "--checkpoint.interval", "3",
                                       "--checkpoint.last_save_in_hf", "true"), pp_run)
-    problems = compare(resumed, _from_step(straight, 7))
+    problems = compare(resumed, from_step(straight, 7))
     assert not problems, problems[:5]
     # The export by shard (every rank its own rows, each stage's ranks their stages): a complete model that loads
     # strictly and holds exactly the weights of the same step's DCP checkpoint.
@@ -135,7 +131,7 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
     for dest, nproc, layout in ((back, 4, FSDP4), (pp4, 4, PP4)):
         _resume_from(pp_run, 9, dest)
         again = train_layout(pools, nproc, (*CKPT, *layout), dest)
-        problems = compare(again, _from_step(straight, 10))
+        problems = compare(again, from_step(straight, 10))
         assert not problems, (dest.name, problems[:5])
 
 
@@ -149,11 +145,11 @@ def test_resume_across_context_parallel_layouts(straight_fsdp4, pools, tmp_path)
     cp_run, back = tmp_path / "fsdp2_cp2", tmp_path / "fsdp4"
     _resume_from(folder, 6, cp_run)
     resumed = train_layout(pools, 4, (*CKPT, *FSDP2_CP2, "--checkpoint.interval", "3"), cp_run)
-    problems = compare(resumed, _from_step(straight, 7))
+    problems = compare(resumed, from_step(straight, 7))
     assert not problems, problems[:5]
     _resume_from(cp_run, 9, back)
     again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
-    problems = compare(again, _from_step(straight, 10))
+    problems = compare(again, from_step(straight, 10))
     assert not problems, problems[:5]
 
 
@@ -169,8 +165,8 @@ def test_extending_a_finished_run_continues_exactly(pools, tmp_path):
     train_layout(pools, 2, (*EXTEND, "--training.steps", "6"), run)
     extended = train_layout(pools, 2, (*EXTEND, "--training.steps", "12"), run)
     assert [m["step"] for m in extended["metrics"]] == list(range(1, 13)), "the extension must start at step 7"
-    extended = _from_step(extended, 7)
-    expected = _from_step(straight, 7)
+    extended = from_step(extended, 7)
+    expected = from_step(straight, 7)
     assert [m["loss"] for m in extended["metrics"]] == [m["loss"] for m in expected["metrics"]]
     assert extended["params"] == expected["params"]
     assert _complete_steps(run) == [6, 12]  # full states, beside the model-only exports
@@ -218,25 +214,135 @@ LAUNCH = ("--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--t
           "--checkpoint.enable", "--checkpoint.keep_latest_k", "0")
 
 
-def test_kill_9_at_any_moment_then_resume(tmp_path, tt_cache_dir):
-    proc = start_train(2, [*LAUNCH, "--training.steps", "400", "--checkpoint.interval", "1"], tmp_path, tt_cache_dir,
-                       tmp_path / "killed.log")
+# The killed run, the resumed one and their reference in the rank pool train one config: torchrun reads
+# debug_model.toml, the pool reads no file but adds COMMON, so every run is given both. With decay_ratio 0
+# the LR is constant after warmup: the 400-step run that is killed and the few-step runs that resume it or serve as
+# reference follow the same schedule. No validation: the curve compared is the training loss and gradient norm.
+KILL_RUN = (*COMMON, "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), *dp(4, 2),
+            "--lr_scheduler.decay_ratio", "0", "--validation.enable", "false", "--checkpoint.enable",
+            "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0")
+KILL_LAUNCH = (*KILL_RUN, "--comm.init_timeout_seconds", "90")  # launch.py's own value, which COMMON would lower
+KILL_FROM_STEP = 3
+# Where the kill is aimed, in the first save or step from KILL_FROM_STEP on that shows it: a save that has begun (its
+# folder exists, no .metadata yet), a save whose shards and .metadata are all written but whose .complete rank 0 has
+# not published yet (a folder that looks whole and is not), or the step after a complete save.
+KILL_MOMENTS = ("save begun", "save unpublished", "step")
+KILL_DELAYS = (0.0, 0.02, 0.1, 0.3)
+# One moment and delay per run, drawn from KILL_SEED (default: today's date), so that the days go through all of
+# them and a failure can be replayed with the seed its message names.
+KILL_SEED = int(os.environ.get("KILL_SEED", datetime.date.today().toordinal()))
+
+
+def _step_folders(run_dir) -> list[tuple[int, bool, bool]]:
+    """(step, .metadata written, .complete written) of every step-N folder, oldest first."""
+    found = []
+    for p in (run_dir / "checkpoint").glob("step-*"):
+        if p.is_dir() and p.name.count("-") == 1:
+            found.append((int(p.name.split("-")[1]), (p / ".metadata").exists(), (p / ".complete").exists()))
+    return sorted(found)
+
+
+def _aimed_at(moment: str, folders: list[tuple[int, bool, bool]]) -> bool:
+    late = [(meta, done) for step, meta, done in folders if step >= KILL_FROM_STEP]
+    if any(done for step, _, done in folders if step >= KILL_FROM_STEP + 3):
+        return True  # every save up to here slipped through the window (a fast disk): kill wherever the run is
+    if moment == "save begun":
+        return any(not meta and not done for meta, done in late)
+    if moment == "save unpublished":
+        return any(meta and not done for meta, done in late)
+    return any(done for _, done in late)
+
+
+def _landing(run_dir, logged: list[dict]) -> str:
+    """Where the kill landed, read from what the run left behind."""
+    folders = _step_folders(run_dir)
+    last_logged = logged[-1]["step"] if logged else 0
+    if folders and not folders[-1][2]:
+        step, meta, _ = folders[-1]
+        if meta:
+            return f"mid-save of step {step}: every shard and .metadata written, no .complete"
+        shards = sorted(p.name for p in (run_dir / "checkpoint" / f"step-{step}").glob("*.distcp"))
+        return f"mid-save of step {step}: no .metadata, shard files {shards}"
+    saved = folders[-1][0] if folders else 0
+    if last_logged > saved:
+        return f"after step {last_logged} was logged, before its save began"
+    return f"mid-step {saved + 1} (step {saved} saved)"
+
+
+def _load_whole(path) -> dict:
+    """Every entry of a DCP folder (model, optimizer, schedule, data position, train state, RNG) on one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torchtitan.components import checkpoint_io as cio
+
+    md = cio.read_metadata(path)
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
+             if isinstance(item, TensorStorageMetadata) else None for key, item in md.state_dict_metadata.items()}
+    dcp.load(state, checkpoint_id=str(path), planner=cio.SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
+    return state
+
+
+def _curve(metrics: list[dict], steps) -> dict:
+    """Loss and gradient norm of `steps` in compare()'s form, without per-tensor fingerprints (torchrun has none)."""
+    return {"metrics": [{"step": m["step"], "loss": m["loss"], "grad_norm": m["grad_norm"]}
+                        for m in metrics if m["step"] in steps], "params": [], "grads": []}
+
+
+def test_kill_9_at_any_moment_then_resume(pools, tmp_path, tt_cache_dir):
+    rng = random.Random(KILL_SEED)
+    moment = rng.choice(KILL_MOMENTS)
+    delay = 0.0 if moment == "save unpublished" else rng.choice(KILL_DELAYS)
+    proc = start_train(2, [*KILL_LAUNCH, "--training.steps", "400"], tmp_path, tt_cache_dir, tmp_path / "killed.log")
     try:
-        deadline = time.time() + 180
-        while len(_complete_steps(tmp_path)) < 3 and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert _complete_steps(tmp_path), (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.37)  # land somewhere inside a step or a save
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            folders = _step_folders(tmp_path)
+            if _aimed_at(moment, folders):
+                break
+            # Finely only near the target (the unpublished window can be a few milliseconds): the ranks share the cores.
+            time.sleep(0.002 if folders and folders[-1][0] >= KILL_FROM_STEP - 1 else 0.05)
+        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(delay)
     finally:
         kill_tree(proc.pid)
         proc.wait(timeout=30)
-    newest = _complete_steps(tmp_path)[-1]
-    result = run_train(2, [*LAUNCH, "--training.steps", str(newest + 2), "--checkpoint.interval", "1"], tmp_path,
-                       tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
-    assert f"step-{newest}" in result.output, "the resumed run must name the checkpoint it loaded"
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == newest + 2
+    complete = _complete_steps(tmp_path)
+    assert complete, (tmp_path / "killed.log").read_text()[-3000:]
+    killed_text = (tmp_path / "metrics.jsonl").read_text()
+    killed = [json.loads(line) for line in killed_text.splitlines()]
+    where = f"KILL_SEED={KILL_SEED} aimed at '{moment}' + {delay} s, landed {_landing(tmp_path, killed)}"
+    for step in complete:  # a .complete marker vouches for the whole state, whenever the kill came
+        state = _load_whole(tmp_path / "checkpoint" / f"step-{step}")
+        assert state["train_state.step"] == step, f"{where}: step-{step} holds step {state['train_state.step']}"
+    newest = complete[-1]
+    partial = [step for step, _, done in _step_folders(tmp_path) if not done]
+    assert all(step > newest for step in partial), f"{where}: incomplete {partial} before step {newest}"
+
+    # Two steps: the first resumed step shows the weights and the data position, only the second the optimizer state.
+    steps = newest + 2
+    result = run_train(2, [*KILL_LAUNCH, "--training.steps", str(steps)], tmp_path, tt_cache_dir)
+    assert result.returncode == 0, f"{where}\n{result.output[-4000:]}"
+    loaded = f"from {tmp_path / 'checkpoint' / f'step-{newest}'} (step {newest})"
+    assert loaded in result.output, f"{where}: must resume step {newest}\n{result.output[-4000:]}"
+    for step in partial:
+        assert f"step-{step} is incomplete" in result.output, f"{where}: step-{step} not reported incomplete"
+    resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()[len(killed_text):].splitlines()]
+    assert [m["step"] for m in resumed] == list(range(newest + 1, steps + 1)), f"{where}: resumed {resumed}"
+    # The resumed run saved every step, over the incomplete folder too.
+    assert _complete_steps(tmp_path) == list(range(1, steps + 1)), f"{where}: {_step_folders(tmp_path)}"
+
+    # Saves do not enter the arithmetic: the reference skips them.
+    reference = train_layout(pools, 2, (*KILL_RUN, "--training.steps", str(steps), "--checkpoint.enable", "false"),
+                             tmp_path / "reference")
+    # The killed run's steps are a torchrun run of the same config: they check that the pool trains it the same way.
+    before = range(1, min(killed[-1]["step"], steps) + 1)
+    problems = compare(_curve(killed, before), _curve(reference["metrics"], before))
+    assert not problems, f"{where}: torchrun and the pool differ: {problems[:5]}"
+    after = range(newest + 1, steps + 1)
+    problems = compare(_curve(resumed, after), _curve(reference["metrics"], after))
+    assert not problems, f"{where}: resumed from step {newest}, the curve does not continue: {problems[:5]}"
 
 
 def test_sigterm_saves_a_complete_checkpoint_and_exits(tmp_path, tt_cache_dir):
@@ -274,7 +380,7 @@ def test_moe_resume_under_another_data_parallel_layout(pools, tmp_path):
     resumed = train_layout(pools, 4, (*CKPT, *MOE, *dp(2, 4), "--parallelism.data_parallel_replicate_degree", "2"),
                            resumed_dir)
     assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
-    problems = compare(resumed, _from_step(straight, 7))
+    problems = compare(resumed, from_step(straight, 7))
     assert not problems, problems[:5]
 
 
@@ -286,11 +392,11 @@ def test_moe_resume_into_and_out_of_expert_parallel(pools, tmp_path):
     _resume_from(straight_dir, 6, ep_dir)
     ep = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2), "--parallelism.expert_parallel_degree", "2",
                                  "--checkpoint.interval", "3"), ep_dir)
-    problems = compare(ep, _from_step(straight, 7))
+    problems = compare(ep, from_step(straight, 7))
     assert not problems, problems[:5]
     _resume_from(ep_dir, 9, back_dir)
     back = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), back_dir)
-    problems = compare(back, _from_step(straight, 10))
+    problems = compare(back, from_step(straight, 10))
     assert not problems, problems[:5]
 
 
@@ -305,12 +411,12 @@ def test_moe_resume_across_expert_parallel_degrees_and_expert_tensor_parallel(po
                   "2", "--parallelism.expert_tensor_parallel_degree", "2")
     etp = train_layout(pools, 4, (*CKPT, *etp_layout, "--checkpoint.interval", "3", "--checkpoint.last_save_in_hf",
                                   "true"), etp_dir)
-    problems = compare(etp, _from_step(straight, 7))
+    problems = compare(etp, from_step(straight, 7))
     assert not problems, problems[:5]
     _hf_export_round_trip(pools, etp_dir, etp_layout, tmp_path / "import")
     _resume_from(etp_dir, 9, ep4_dir)
     ep4 = train_layout(pools, 4, (*CKPT, *MOE, *dp(2, 4), "--parallelism.expert_parallel_degree", "4"), ep4_dir)
-    problems = compare(ep4, _from_step(straight, 10))
+    problems = compare(ep4, from_step(straight, 10))
     assert not problems, problems[:5]
 
 
