@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.components.model_parts import named_parameters
 
@@ -114,41 +116,65 @@ def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str) -> dict[str
 
     A gradient's fingerprint is its L2 norm; a parameter's is its norm and PROJECTIONS projections on fixed random
     vectors (one set per name), so a value in the wrong place shows even where whole-tensor sums would not.
-    Computed in float64 from the whole tensor (a DTensor is gathered over its mesh: every rank holding it takes
-    part, in the same order). Each rank reports what it holds and one all-gather merges them by name, keeping every
-    distinct copy: replicas that drifted apart (a missing reduction over tp or a replicate dimension) show as
-    several copies, each compared with the reference.
+    In float64. Each rank adds up the box of the whole tensor it holds (a shard, or all of it) and one all-gather per
+    call merges the boxes by name: one copy of each box counts; a box held by several ranks whose copies differ
+    (replicas that drifted apart: a missing reduction over tp or a replicate dimension) gives one more fingerprint per
+    differing copy, each compared with the reference.
     """
-    mine: dict[str, list[float]] = {}
+    mine: list[tuple[str, tuple, list[float]]] = []
     for name, p in named_parameters(model_parts):
         t = p if of == "param" else p.grad
         if t is None:
             continue
-        whole = t.full_tensor() if isinstance(t, DTensor) else t
-        x = whole.detach().to(torch.float64).flatten()
-        norm = torch.linalg.vector_norm(x).item()
-        mine[name] = [norm] if of == "grad" else [norm, *(_projections(name, x.numel()) @ x).tolist()]
+        local, (offset, shape) = _local_box(t)
+        x = local.detach().to(torch.float64)
+        sums = [x.square().sum().item()]
+        if of == "param":
+            box = (slice(None), *(slice(o, o + n) for o, n in zip(offset, shape, strict=True)))
+            sums += (_projections(name, tuple(t.shape))[box].reshape(PROJECTIONS, -1) @ x.flatten()).tolist()
+        mine.append((name, (offset, shape), sums))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    merged: dict[str, list[list[float]]] = {}
+    boxes: dict[str, dict[tuple, list[list[float]]]] = {}
     for part in gathered:
-        for name, values in part.items():
-            copies = merged.setdefault(name, [])
-            if values not in copies:
-                copies.append(values)
+        for name, box, sums in part:
+            copies = boxes.setdefault(name, {}).setdefault(box, [])
+            if sums not in copies:  # replicas compute bit-identical sums from equal values
+                copies.append(sums)
+    merged: dict[str, list[list[float]]] = {}
+    for name, by_box in boxes.items():
+        first = [sum(values) for values in zip(*(copies[0] for copies in by_box.values()), strict=True)]
+        variants = [first] + [[total - a + b for total, a, b in zip(first, copies[0], other, strict=True)]
+                              for copies in by_box.values() for other in copies[1:]]
+        merged[name] = [[math.sqrt(max(v[0], 0.0)), *v[1:]] for v in variants]
     return merged
 
 
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(values, (offset, shape)): the box of the whole tensor this rank holds. A plain tensor and a replicated
+    DTensor hold all of it; a sharded DTensor a box at the offset its placements give. A strided shard (FSDP over
+    TP's dim) is not one box and a partial value is not the value: those are gathered whole (a collective on the
+    tensor's mesh, taken by every rank that holds it since the placements are the same there)."""
+    if not isinstance(t, DTensor):
+        return t, ((0,) * t.dim(), tuple(t.shape))
+    if any(isinstance(pl, _StridedShard) or pl.is_partial() for pl in t.placements):
+        return t.full_tensor(), ((0,) * t.dim(), tuple(t.shape))
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    assert tuple(shape) == tuple(local.shape), (shape, local.shape, t.placements)
+    return local, (tuple(offset), tuple(shape))
+
+
 PROJECTIONS = 2
-_PROJECTIONS: dict[tuple[str, int], torch.Tensor] = {}
+_PROJECTIONS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
 
-def _projections(name: str, numel: int) -> torch.Tensor:
-    """PROJECTIONS x numel standard normal vectors, the same for a name in every process."""
-    key = (name, numel)
+def _projections(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """PROJECTIONS standard normal tensors of `shape`, the same for a name in every process."""
+    key = (name, shape)
     if key not in _PROJECTIONS:
         generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        _PROJECTIONS[key] = torch.randn(PROJECTIONS, numel, generator=generator, dtype=torch.float64)
+        _PROJECTIONS[key] = torch.randn(PROJECTIONS, *shape, generator=generator, dtype=torch.float64)
     return _PROJECTIONS[key]
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_reference_learns(name, reference):
     # A parity test against a run that does not train would prove nothing. The validation loss is measured on the
-    # same 8 sequences after steps 3 and 6, so its fall is the training's doing; the training loss of steps 1 and 6
+    # same 8 sequences after steps 2 and 4, so its fall is the training's doing; the training loss of steps 1 and 4
     # comes from different batches, whose own difficulty moves it by +-0.1 in these few steps.
     val = [m["val_loss"] for m in reference(name)["metrics"] if m.get("val_loss") is not None]
     assert len(val) == 2 and val[1] < val[0] - 1e-3, val
@@ -70,7 +70,7 @@ def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_pat
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS, key=lambda layout: layout.nproc), ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)
-    assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, False, True, False, False, True]
+    assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, True, False, True]
     problems = compare(run, reference(layout.reference), tensors=TENSOR_TOLERANCE.get(layout.reference))
     assert not problems, f"{layout.name} differs from {layout.reference}:\n" + "\n".join(problems[:10])
 

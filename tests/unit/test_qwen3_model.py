@@ -278,7 +278,7 @@ def test_moe_trains_and_gradients_reach_router_and_experts() -> None:
 
 def test_moe_blocks_run_their_moe_layer_on_the_sequence_shard_under_tensor_parallel() -> None:
     """An MoE block's plan has no MLP entries and one for the MoE layer (its tokens stay split over tp, parity
-    layouts moe_tp2_accum and moe_fsdp2_tp2_ep2); a dense block's keeps the column/row-wise MLP."""
+    layouts moe_aux_tp2_accum and moe_fsdp2_tp2_ep2); a dense block's keeps the column/row-wise MLP."""
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
     from torchtitan.models.qwen3.parallelize import qwen3_tp_block_plan
