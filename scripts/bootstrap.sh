@@ -18,7 +18,7 @@ _tt_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _tt_venv_py="$_tt_root/.venv/bin/python"
 _tt_modules="torchtitan torch tokenizers torchdata tiktoken"
 _tt_extras=""  # space-separated names from [project.optional-dependencies]
-if [ "${NEED_DEV:-0}" = "1" ]; then _tt_extras="dev"; _tt_modules="$_tt_modules pytest"; fi
+if [ "${NEED_DEV:-0}" = "1" ]; then _tt_extras="dev"; _tt_modules="$_tt_modules pytest xdist"; fi
 _tt_stamp="$_tt_root/.venv/.installed-pyproject"
 # A namespace package (origin None: e.g. a folder left behind by an uninstall) does not count as installed.
 _tt_find='import sys, importlib.util as u; sys.exit(not all((s := u.find_spec(m)) and s.origin for m in sys.argv[1:]))'

@@ -36,7 +36,7 @@ if [ "${1:-}" = "-c" ]; then
         case "$m" in
             "") ;;
             torch) has torch || exit 1 ;;
-            pytest) has dev || exit 1 ;;
+            pytest|xdist) has dev || exit 1 ;;
             *) has base || exit 1 ;;
         esac
     done
