@@ -35,7 +35,8 @@ def test_nonfinite_gradient_stops_naming_the_step_and_the_parameter(pools, tmp_p
 
 
 def test_nonfinite_gradient_skip_drops_the_update_and_counts_it(pools, tmp_path):
-    run = train_layout(pools, 2, (*dp(2, 2), "--training.on_nonfinite", "skip"), tmp_path, faults=NAN_AT_STEP_3)
+    run = train_layout(pools, 2, (*dp(2, 2), "--training.on_nonfinite", "skip", "--training.steps", "6"), tmp_path,
+                       faults=NAN_AT_STEP_3)
     by_step = {m["step"]: m for m in run["metrics"]}
     assert math.isnan(by_step[3]["grad_norm"])
     assert [by_step[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]

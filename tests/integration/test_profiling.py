@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_traces_every_profile_freq_steps_on_every_rank(pools, tmp_path):
-    train_layout(pools, 2, (*dp(4, 2), "--profiling.enable_profiling", "--profiling.profile_freq", "3",
-                            "--profiling.save_traces_folder", "traces"), tmp_path)
+    train_layout(pools, 2, (*dp(4, 2), "--training.steps", "6", "--profiling.enable_profiling",
+                            "--profiling.profile_freq", "3", "--profiling.save_traces_folder", "traces"), tmp_path)
     folders = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert folders == ["iteration_3", "iteration_6"], folders
     for folder in folders:

@@ -160,9 +160,11 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], pp_mesh=None) -> t
     8192 x 256 gradient it came out 3.9e-4 low, and differently for every shard count, so each layout would
     log (and clip by) a slightly different norm. Gradients living on different meshes (expert vs dense,
     pipeline stages later) are reduced per mesh and combined as a sum of squares: DTensor cannot stack
-    values of different meshes. For a DTensor group, `full_tensor()` reduces the partial norm over every
-    mesh dimension the gradients are sharded on, in one all-reduce where a flattened group exists (see
-    docs/architecture.md, 'Gradient clipping'). With pipeline parallel each rank holds other stages'
+    values of different meshes. For a DTensor group the norm comes back reduced over every mesh dimension the
+    gradients are sharded on (torch 2.13's vector_norm all-reduces the partial squares itself, in one all-reduce where
+    a flattened group exists; `full_tensor()` then only unwraps it, and reduces it where a version leaves it
+    partial; see docs/architecture.md, 'Gradient clipping'). tests/unit/test_critical_reductions.py checks the value
+    against exact sums of the full gradients. With pipeline parallel each rank holds other stages'
     parameters: the squares are then summed over `pp_mesh` as well.
     """
     groups: dict[object, list[torch.Tensor]] = {}
