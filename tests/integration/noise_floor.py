@@ -2,7 +2,7 @@
 beside the noise floor (each 1-process reference with its batch summed in another order) and the tolerances; and,
 per tensor, the largest difference of its gradient norm and of its values over all layouts beside its own floor.
 
-    python -m tests.integration.noise_floor                 # about 5 minutes on 2 CPU cores
+    python -m tests.integration.noise_floor                 # about 20 minutes on 2 CPU cores
     python -m tests.integration.noise_floor -k moe --json differences.json
 
 docs/testing.md records the output the tolerances in tests/integration/parity.py were derived from.
