@@ -178,7 +178,7 @@ def _projections(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return _PROJECTIONS[key]
 
 
-def tensor_difference(of: str, got: list[float], ref: list[float]) -> float:
+def tensor_difference(got: list[float], ref: list[float]) -> float:
     """Relative difference of two fingerprints: about |got - ref| / |ref| of the tensors themselves (a projection
     on a unit-variance random vector moves by about the norm of the difference)."""
     scale = max(ref[0], 1e-30)
@@ -192,7 +192,7 @@ def tensor_differences(run: dict, reference: dict) -> dict[tuple[str, str], floa
         for got, ref in zip(run[kind], reference[kind], strict=False):
             for name, (ref_values,) in ref.items():
                 for copy in got.get(name, ()):
-                    rel = tensor_difference(of, copy, ref_values)
+                    rel = tensor_difference(copy, ref_values)
                     worst[(of, name)] = max(worst.get((of, name), 0.0), rel)
     return worst
 
@@ -225,7 +225,7 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE,
             for name, (ref_values,) in ref.items():
                 limit = (tensors or {}).get(of, {}).get(name, tolerance[of])
                 for copy in got[name]:
-                    rel = tensor_difference(of, copy, ref_values)
+                    rel = tensor_difference(copy, ref_values)
                     if not rel <= limit:
                         what = "gradient norm" if of == "grad" else "values"
                         copies = f" (one of {len(got[name])} differing copies)" if len(got[name]) > 1 else ""
