@@ -25,14 +25,21 @@ def pools(tmp_path_factory, tt_cache_dir):
     pools.close()
 
 
+def mesh_shape(args) -> tuple:
+    """The parallel degrees `args` set: jobs of equal shapes share a pool's meshes (tests/integration/pool.py)."""
+    return tuple(sorted((key, value) for key, value in zip(args, args[1:], strict=False)
+                        if key.startswith("--parallelism.") and key.endswith("_degree")))
+
+
 def train_layout(pools: Pools, nproc: int, args, dump_folder, faults: tuple = (), timeout: float = 180.0) -> dict:
     """Train `args` (on top of COMMON) on the pool of `nproc` ranks; rank 0's metrics and parameter checksums."""
-    return pools.get(nproc).run(run_layout, [*COMMON, *args], str(dump_folder), faults, timeout=timeout)[0]
+    pool = pools.get(nproc, mesh_shape(args))
+    return pool.run(run_layout, [*COMMON, *args], str(dump_folder), faults, timeout=timeout)[0]
 
 
 def setup_error(pools: Pools, nproc: int, args, dump_folder) -> str:
     """The one-line error with which building the Trainer for `args` fails, the same on every rank."""
-    errors = pools.get(nproc).run(run_layout, [*COMMON, *args], str(dump_folder), (), "setup_error")
+    errors = pools.get(nproc, mesh_shape(args)).run(run_layout, [*COMMON, *args], str(dump_folder), (), "setup_error")
     assert all(e == errors[0] for e in errors), errors
     return errors[0]["error"]
 

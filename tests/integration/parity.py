@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.components.model_parts import named_parameters
 
@@ -126,13 +124,13 @@ def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str) -> dict[str
         t = p if of == "param" else p.grad
         if t is None:
             continue
-        local, (offset, shape) = _local_box(t)
-        x = local.detach().to(torch.float64)
+        local, (indices, box) = _local_elements(t)
+        x = local.detach().to(torch.float64).flatten()
         sums = [x.square().sum().item()]
         if of == "param":
-            box = (slice(None), *(slice(o, o + n) for o, n in zip(offset, shape, strict=True)))
-            sums += (_projections(name, tuple(t.shape))[box].reshape(PROJECTIONS, -1) @ x.flatten()).tolist()
-        mine.append((name, (offset, shape), sums))
+            projections = _projections(name, tuple(t.shape)).reshape(PROJECTIONS, -1)
+            sums += ((projections if indices is None else projections[:, indices]) @ x).tolist()
+        mine.append((name, box, sums))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     boxes: dict[str, dict[tuple, list[list[float]]]] = {}
@@ -150,21 +148,32 @@ def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str) -> dict[str
     return merged
 
 
-def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(values, (offset, shape)): the box of the whole tensor this rank holds. A plain tensor and a replicated
-    DTensor hold all of it; a sharded DTensor a box at the offset its placements give. A strided shard (FSDP over
-    TP's dim) is not one box and a partial value is not the value: those are gathered whole (a collective on the
-    tensor's mesh, taken by every rank that holds it since the placements are the same there)."""
+def _local_elements(t: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor | None, tuple]]:
+    """(values, (indices, box)): the elements of the whole tensor this rank holds, their flat indices in it (None:
+    all of it, in order) and a key equal on exactly the ranks that hold the same elements. A plain tensor and a
+    replicated DTensor hold all of it; a sharded one, strided shards (FSDP over TP's dim) included, the elements its
+    placements give, found by laying the whole tensor's indices out the same way (locally, without a collective).
+    A partial value is not the value: it is reduced whole (a collective on its mesh, taken by every rank that holds
+    it since the placements are the same there)."""
     if not isinstance(t, DTensor):
-        return t, ((0,) * t.dim(), tuple(t.shape))
-    if any(isinstance(pl, _StridedShard) or pl.is_partial() for pl in t.placements):
-        return t.full_tensor(), ((0,) * t.dim(), tuple(t.shape))
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t, (None, ("all",))
+    if any(pl.is_partial() for pl in t.placements):
+        return t.full_tensor(), (None, ("all",))
+    if all(pl.is_replicate() for pl in t.placements):
+        return t.to_local(), (None, ("all",))
+    key = (tuple(t.shape), t.device_mesh, tuple(t.placements))
+    if key not in _INDICES:
+        whole = torch.arange(t.numel(), dtype=torch.int64).view(t.shape)
+        indices = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local().flatten()
+        _INDICES[key] = (indices, (indices.numel(), zlib.crc32(indices.numpy().tobytes())))
+    indices, box = _INDICES[key]
     local = t.to_local()
-    assert tuple(shape) == tuple(local.shape), (shape, local.shape, t.placements)
-    return local, (tuple(offset), tuple(shape))
+    assert local.numel() == indices.numel(), (t.shape, local.shape, t.placements)
+    return local, (indices, box)
 
 
+# Per (shape, mesh, placements): the flat indices of this rank's elements and their key (_local_elements).
+_INDICES: dict[tuple, tuple[torch.Tensor, tuple]] = {}
 PROJECTIONS = 2
 _PROJECTIONS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 

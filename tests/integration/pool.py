@@ -17,7 +17,7 @@ import multiprocessing.connection
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -173,39 +173,51 @@ class RankPool:
         self._conns, self._procs = [], []
 
 
-# Jobs a pool runs before it is replaced by fresh processes. A job with a new mesh shape creates process groups, and
-# gloo keeps threads for each (a TCP loop and run loops) until its process ends: measured 2026-11-24, a 4-rank pool's
-# ranks held 1,033 threads each after ~30 layouts, and their polling took over half of the 2-core machine (57% system
-# time, load average above 50) for the rest of the suite. Destroying a job's groups instead breaks the next job:
-# DTensor caches flattened meshes by layout, with their (destroyed) groups. Equal meshes are reused
-# (_build_each_mesh_once), so groups grow with the distinct shapes only. A new pool costs ~1-3 s.
-JOBS_PER_POOL = 6
+# Distinct mesh shapes a pool serves before it is replaced by fresh processes. A job with a new mesh shape creates
+# process groups, and gloo keeps threads for each (a TCP loop and run loops) until its process ends: measured
+# 2026-11-24, a 4-rank pool's ranks held 1,033 threads each after ~30 layouts, and their polling took over half of the
+# 2-core machine (57% system time, load average above 50) for the rest of the suite. Destroying a job's groups instead
+# breaks the next job: DTensor caches flattened meshes by layout, with their (destroyed) groups. Equal meshes are
+# reused (_build_each_mesh_once), so groups grow with the distinct shapes only, and jobs of a shape already served
+# cost no new threads: a pool keeps serving them, with their sharding decisions already cached (a fresh 4-rank pool's
+# first layout costs each rank ~4 s of CPU more than the next one, measured 2026-11-26). A job without a shape
+# counts as a new one. MAX_JOBS_PER_POOL bounds what else a long-lived rank may accumulate.
+SHAPES_PER_POOL = 6
+MAX_JOBS_PER_POOL = 40
 
 
 class Pools:
     """The 1-rank pool (the references) and one multi-rank pool, of the world size last asked for: created on first
-    use, replaced after a failure, after JOBS_PER_POOL jobs and when another world size is asked for (an idle pool's
-    gloo threads cost CPU the active one needs; tests/integration/test_parity.py orders its layouts by world size)."""
+    use, replaced after a failure, when it has served SHAPES_PER_POOL mesh shapes and another is asked for, and when
+    another world size is asked for (an idle pool's gloo threads cost CPU the active one needs;
+    tests/integration/test_parity.py orders its layouts by world size, then mesh shape)."""
 
     def __init__(self, log_dir: Path, env: dict[str, str]):
         self.log_dir, self.env = Path(log_dir), env
         self._pools: dict[int, RankPool] = {}
         self._jobs: dict[int, int] = {}
+        self._shapes: dict[int, set] = {}
         self._generation = 0
 
-    def get(self, world: int) -> RankPool:
+    def get(self, world: int, shape: Hashable | None = None) -> RankPool:
+        """The pool of `world` ranks for a job on mesh `shape` (any hashable naming the parallel degrees)."""
         for other in [w for w in self._pools if w not in (world, 1)]:
             self._pools.pop(other).close()
         pool = self._pools.get(world)
-        self._jobs[world] = self._jobs.get(world, 0) + 1
-        if pool is not None and pool.alive and self._jobs[world] > JOBS_PER_POOL:
+        shapes = self._shapes.setdefault(world, set())
+        shape = object() if shape is None else shape
+        if pool is not None and pool.alive and (self._jobs[world] >= MAX_JOBS_PER_POOL or
+                                                (shape not in shapes and len(shapes) >= SHAPES_PER_POOL)):
             pool.close()
             pool = None
         if pool is None or not pool.alive:
-            self._jobs[world] = 1
+            self._jobs[world] = 0
+            shapes.clear()
             self._generation += 1
             pool = RankPool(world, self.log_dir / f"world{world}-{self._generation}", self.env)
             self._pools[world] = pool
+        self._jobs[world] += 1
+        shapes.add(shape)
         return pool
 
     def close(self) -> None:

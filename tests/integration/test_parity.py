@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import train_layout
+from tests.integration.conftest import mesh_shape, train_layout
 from tests.integration.layouts import ALL_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import (
     TENSOR_TOLERANCE,
@@ -66,8 +66,10 @@ def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_pat
     assert all("moe_z_loss" not in m for m in no_z["metrics"])
 
 
-# By world size: one multi-rank pool lives at a time (tests/integration/pool.py), so each size starts once.
-@pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS, key=lambda layout: layout.nproc), ids=lambda layout: layout.name)
+# By world size, then mesh shape: one multi-rank pool lives at a time, so each size starts once, and a pool serves a
+# few shapes before it is replaced (tests/integration/pool.py), so each shape's layouts run in one pool.
+@pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS, key=lambda layout: (layout.nproc, mesh_shape(layout.overrides))),
+                         ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)
     assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, True, False, True]
