@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_reference_learns(name, reference):
     # A parity test against a run that does not train would prove nothing. The validation loss is measured on the
-    # same 8 sequences after steps 2 and 4, so its fall is the training's doing; the training loss of steps 1 and 4
-    # comes from different batches, whose own difficulty moves it by +-0.1 in these few steps.
+    # same 8 sequences after steps 2 and 3, so its fall is the training's doing (measured 2026-11-26: 0.009 to 0.035
+    # for the references); the training loss of steps 1 and 3 comes from different batches, whose own difficulty
+    # moves it by +-0.1 in these few steps.
     val = [m["val_loss"] for m in reference(name)["metrics"] if m.get("val_loss") is not None]
     assert len(val) == 2 and val[1] < val[0] - 1e-3, val
 
@@ -72,7 +73,7 @@ def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_pat
                          ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)
-    assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, True, False, True]
+    assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, True, True]
     problems = compare(run, reference(layout.reference), tensors=TENSOR_TOLERANCE.get(layout.reference))
     assert not problems, f"{layout.name} differs from {layout.reference}:\n" + "\n".join(problems[:10])
 
