@@ -48,20 +48,21 @@ def test_local_jsonl_with_own_tokenizer_workers_and_validation(tmp_path, tt_cach
     _write_tokenizer(tok)
     args = [
         "--training.dataset_path", str(train), "--training.dataset_text_column", "content",
-        "--model.tokenizer_path", str(tok), "--training.num_workers", "2",
-        "--training.steps", "20", "--training.seq_len", "64", "--training.local_batch_size", "4",
+        "--model.tokenizer_path", str(tok), "--training.num_workers", "2", "--model.flavor", "debugmodel_small",
+        # measured 2026-11-26: the loss falls 6.59 -> 4.16 in these 10 steps, validation 5.20 -> 4.12
+        "--training.steps", "10", "--training.seq_len", "64", "--training.local_batch_size", "4",
         "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "5",
         "--validation.enable", "--validation.dataset_path", str(val), "--validation.dataset_text_column", "content",
-        "--validation.freq", "10", "--job.print_config", "false",
+        "--validation.freq", "5", "--job.print_config", "false",
     ]
     result = run_train(2, args, tmp_path / "out", tt_cache_dir,
                        extra_env={"HF_DATASETS_CACHE": str(tmp_path / "hf_cache")})
     assert result.returncode == 0, result.output[-4000:]
     records = {r["step"]: r for r in result.metrics()}
-    assert records[20]["loss"] < records[1]["loss"] - 1.0, [r["loss"] for r in records.values()]
-    # validation ran on the full held-out file (steps=-1) at steps 10 and 20 and improved
-    assert records[20]["val_loss"] < records[10]["val_loss"], (records[10], records[20])
-    assert records[10]["val_tokens"] == records[20]["val_tokens"] > 0
+    assert records[10]["loss"] < records[1]["loss"] - 1.0, [r["loss"] for r in records.values()]
+    # validation ran on the full held-out file (steps=-1) at steps 5 and 10 and improved
+    assert records[10]["val_loss"] < records[5]["val_loss"], (records[5], records[10])
+    assert records[5]["val_tokens"] == records[10]["val_tokens"] > 0
 
 
 def test_missing_text_column_fails_before_training(tmp_path, tt_cache_dir):
