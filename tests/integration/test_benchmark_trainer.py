@@ -1,5 +1,6 @@
 """scripts/benchmark_trainer.py runs end to end on a tiny workload (its numbers are not checked: benchmarks print
-ratios, tests never time), and its profile attributes forward and backward time to the model's components."""
+ratios, tests never time), and its profile attributes forward and backward time to the model's components. Each
+side trains one step after the one left out of the medians: the torchrun launches are what these tests cost."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_profile_frames_map_to_components():
 
 
 def test_compare_prints_both_sides_and_their_ratio(tt_cache_dir):
-    out = _run(["--nproc", "1", "--rounds", "2", "--steps", "3", "--warmup", "1", *TINY], tt_cache_dir)
+    out = _run(["--nproc", "1", "--rounds", "1", "--steps", "2", "--warmup", "1", *TINY], tt_cache_dir)
     rates = {side: float(m) for side, m in re.findall(r"^\s+(trainer|bare loop)\s+([\d.]+) tokens/s", out, re.M)}
     assert set(rates) == {"trainer", "bare loop"} and all(r > 0 for r in rates.values()), out
     ratio = float(re.search(r"trainer / bare = ([\d.]+)", out).group(1))
@@ -61,7 +62,8 @@ def test_compare_prints_both_sides_and_their_ratio(tt_cache_dir):
 
 
 def test_profile_attributes_the_step_to_model_components(tt_cache_dir):
-    out = _run(["--profile", "--nproc", "2", "--steps", "4", "--warmup", "2", *TINY], tt_cache_dir)
+    # One traced step after the first (which builds FSDP's state lazily): every component shows in each step.
+    out = _run(["--profile", "--nproc", "2", "--steps", "2", "--warmup", "1", *TINY], tt_cache_dir)
     shares = {name: float(pct) for name, pct in re.findall(r"^\s+([a-z+]+)\s+([\d.]+)%$", out, re.M)}
     assert sum(shares.values()) == pytest.approx(100.0, abs=0.5), out
     # every part of the model is found, forward and backward, and FSDP's collectives on 2 processes

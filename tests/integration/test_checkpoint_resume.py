@@ -16,13 +16,21 @@ import pytest
 from tests.integration.conftest import setup_error, train_layout
 from tests.integration.launch import REPO, kill_tree, run_train, start_train
 from tests.integration.layouts import COMMON, dp
-from tests.integration.parity import compare, from_step
+from tests.integration.parity import compare, from_step, run_layout
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
-CKPT = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "6",
-        "--checkpoint.keep_latest_k", "0")
+# Every resume test: a straight run of STEPS steps saves at SAVED and at the end; a run resumed from SAVED trains
+# the STEPS - SAVED = 3 steps after it: the first resumed step shows the weights and the data position, the second
+# the optimizer state (the first one's update). A run that changes layout in between saves at MID too (AND_MID):
+# the run that resumes from it trains steps MID + 1 and MID + 2, again two. The LR factor of steps 1-6 is 1/3, 2/3
+# (warmup), 1, 0.7, 0.4, 0.1 (linear decay to min_lr_factor 0.1): no resumed step runs at the factor a restarted
+# schedule would give it (1/3, then 2/3; with the default min_lr_factor 0, step 5 would run at 1/3 either way), and
+# the last step still moves the weights.
+STEPS, SAVED, MID = 6, 3, 4
+CKPT = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(SAVED),
+        "--checkpoint.keep_latest_k", "0", "--lr_scheduler.min_lr_factor", "0.1")
+AND_MID = ("--checkpoint.interval", str(MID))
 FSDP4 = dp(2, 4)
 TP2 = (*dp(4, 2), "--parallelism.tensor_parallel_degree", "2")
 
@@ -46,18 +54,18 @@ def straight_fsdp4(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     run = train_layout(pools, 4, (*CKPT, *FSDP4), out)
     # The last step writes the full state too (a finished run can be extended), plus the model-only export.
-    assert _complete_steps(out) == [6, 12]
-    marker = json.loads((out / "checkpoint" / "step-12-model" / ".complete").read_text())
-    assert marker["model_only"] and marker["step"] == 12
+    assert _complete_steps(out) == [SAVED, STEPS]
+    marker = json.loads((out / "checkpoint" / f"step-{STEPS}-model" / ".complete").read_text())
+    assert marker["model_only"] and marker["step"] == STEPS
     return out, run
 
 
 def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, pools, tmp_path):
     folder, straight = straight_fsdp4
-    _resume_from(folder, 6, tmp_path)
+    _resume_from(folder, SAVED, tmp_path)
     resumed = train_layout(pools, 4, (*CKPT, *FSDP4), tmp_path)
-    assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
-    expected = from_step(straight, 7)
+    assert [m["step"] for m in resumed["metrics"]] == list(range(SAVED + 1, STEPS + 1)), "must resume after SAVED"
+    expected = from_step(straight, SAVED + 1)
     for got, ref in zip(resumed["metrics"], expected["metrics"], strict=True):
         assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
                                                                          ref.get("val_loss")), (got, ref)
@@ -66,36 +74,36 @@ def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, pools, tmp_path
 
 def test_resume_on_hsdp_continues_the_curve(straight_fsdp4, pools, tmp_path):
     folder, straight = straight_fsdp4
-    _resume_from(folder, 6, tmp_path)
+    _resume_from(folder, SAVED, tmp_path)
     resumed = train_layout(pools, 4, (*CKPT, *dp(1, 4), "--parallelism.data_parallel_replicate_degree", "2"),
                            tmp_path)
-    problems = compare(resumed, from_step(straight, 7))
+    problems = compare(resumed, from_step(straight, SAVED + 1))
     assert not problems, problems[:5]
 
 
 def test_resume_across_tensor_parallel_both_ways(straight_fsdp4, pools, tmp_path):
-    # FSDP 4 step 6 -> FSDP 2 x TP 2 (saves step 9) -> FSDP 4 again: the TP-sharded checkpoint must load too.
+    # FSDP 4 step 3 -> FSDP 2 x TP 2 (saves step 4) -> FSDP 4 again: the TP-sharded checkpoint must load too.
     folder, straight = straight_fsdp4
     tp_run, back = tmp_path / "fsdp2_tp2", tmp_path / "fsdp4"
-    _resume_from(folder, 6, tp_run)
-    resumed = train_layout(pools, 4, (*CKPT, *TP2, "--checkpoint.interval", "3"), tp_run)
-    assert not compare(resumed, from_step(straight, 7))
-    _resume_from(tp_run, 9, back)
+    _resume_from(folder, SAVED, tp_run)
+    resumed = train_layout(pools, 4, (*CKPT, *TP2, *AND_MID), tp_run)
+    assert not compare(resumed, from_step(straight, SAVED + 1))
+    _resume_from(tp_run, MID, back)
     again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
-    problems = compare(again, from_step(straight, 10))
+    problems = compare(again, from_step(straight, MID + 1))
     assert not problems, problems[:5]
 
 
 def test_resume_on_one_unwrapped_process_both_ways(straight_fsdp4, pools, tmp_path):
-    # FSDP 4 step 6 -> one process (no data-parallel wrapper: plain tensors, saves step 9) -> FSDP 4 again.
+    # FSDP 4 step 3 -> one process (no data-parallel wrapper: plain tensors, saves step 4) -> FSDP 4 again.
     folder, straight = straight_fsdp4
     single, back = tmp_path / "single", tmp_path / "fsdp4"
-    _resume_from(folder, 6, single)
-    resumed = train_layout(pools, 1, (*CKPT, *dp(8, 1), "--checkpoint.interval", "3"), single)
-    assert not compare(resumed, from_step(straight, 7))
-    _resume_from(single, 9, back)
+    _resume_from(folder, SAVED, single)
+    resumed = train_layout(pools, 1, (*CKPT, *dp(8, 1), *AND_MID), single)
+    assert not compare(resumed, from_step(straight, SAVED + 1))
+    _resume_from(single, MID, back)
     again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
-    problems = compare(again, from_step(straight, 10))
+    problems = compare(again, from_step(straight, MID + 1))
     assert not problems, problems[:5]
 
 
@@ -105,17 +113,16 @@ PP4 = (*dp(8, 1), "--parallelism.pipeline_parallel_degree", "4")
 
 
 def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
-    """FSDP 4 step 6 -> PP 2 x FSDP 2 with 2 stages per rank (saves step 9, exports Hugging Face at 12) -> both
-    FSDP 4 and PP 4 (one block per stage) from its step 9: every change of the stage split continues the curve."""
+    """FSDP 4 step 3 -> PP 2 x FSDP 2 with 2 stages per rank (saves step 4, exports Hugging Face at 6) -> both
+    FSDP 4 and PP 4 (one block per stage) from its step 4: every change of the stage split continues the curve."""
     from torchtitan.components.hf_io import load_hf
     from torchtitan.models.llama3 import Transformer
 
     folder, straight = straight_fsdp4
     pp_run, back, pp4 = tmp_path / "pp2_fsdp2", tmp_path / "fsdp4", tmp_path / "pp4"
-    _resume_from(folder, 6, pp_run)
-    resumed = train_layout(pools, 4, (*CKPT, *PP2_FSDP2, "--checkpoint.interval", "3",
-                                      "--checkpoint.last_save_in_hf", "true"), pp_run)
-    problems = compare(resumed, from_step(straight, 7))
+    _resume_from(folder, SAVED, pp_run)
+    resumed = train_layout(pools, 4, (*CKPT, *PP2_FSDP2, *AND_MID, "--checkpoint.last_save_in_hf", "true"), pp_run)
+    problems = compare(resumed, from_step(straight, SAVED + 1))
     assert not problems, problems[:5]
     # The export by shard (every rank its own rows, each stage's ranks their stages): a complete model that loads
     # strictly and holds exactly the weights of the same step's DCP checkpoint.
@@ -129,9 +136,9 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
     saved = {k.removeprefix("model."): v for k, v in dcp_state.items()}
     assert set(saved) == set(state) and all(torch.equal(state[k], saved[k]) for k in state)
     for dest, nproc, layout in ((back, 4, FSDP4), (pp4, 4, PP4)):
-        _resume_from(pp_run, 9, dest)
+        _resume_from(pp_run, MID, dest)
         again = train_layout(pools, nproc, (*CKPT, *layout), dest)
-        problems = compare(again, from_step(straight, 10))
+        problems = compare(again, from_step(straight, MID + 1))
         assert not problems, (dest.name, problems[:5])
 
 
@@ -139,17 +146,17 @@ FSDP2_CP2 = (*dp(4, 2), "--parallelism.context_parallel_degree", "2")
 
 
 def test_resume_across_context_parallel_layouts(straight_fsdp4, pools, tmp_path):
-    """FSDP 4 step 6 -> FSDP 2 x CP 2 (saves step 9) -> FSDP 4 from its step 9: a context-parallel run's checkpoint
+    """FSDP 4 step 3 -> FSDP 2 x CP 2 (saves step 4) -> FSDP 4 from its step 4: a context-parallel run's checkpoint
     (FSDP over dp_shard x cp) reshards both ways and the curve continues."""
     folder, straight = straight_fsdp4
     cp_run, back = tmp_path / "fsdp2_cp2", tmp_path / "fsdp4"
-    _resume_from(folder, 6, cp_run)
-    resumed = train_layout(pools, 4, (*CKPT, *FSDP2_CP2, "--checkpoint.interval", "3"), cp_run)
-    problems = compare(resumed, from_step(straight, 7))
+    _resume_from(folder, SAVED, cp_run)
+    resumed = train_layout(pools, 4, (*CKPT, *FSDP2_CP2, *AND_MID), cp_run)
+    problems = compare(resumed, from_step(straight, SAVED + 1))
     assert not problems, problems[:5]
-    _resume_from(cp_run, 9, back)
+    _resume_from(cp_run, MID, back)
     again = train_layout(pools, 4, (*CKPT, *FSDP4), back)
-    problems = compare(again, from_step(straight, 10))
+    problems = compare(again, from_step(straight, MID + 1))
     assert not problems, problems[:5]
 
 
@@ -157,27 +164,28 @@ EXTEND = (*dp(4, 2), "--checkpoint.enable", "--checkpoint.interval", "100", "--l
 
 
 def test_extending_a_finished_run_continues_exactly(pools, tmp_path):
-    """Regression: `--training.steps 12` on a finished 6-step run restarted the LR schedule, the data and the step
+    """Regression: `--training.steps 6` on a finished 3-step run restarted the LR schedule, the data and the step
     count from the model-only final save, and overwrote step folders. (Constant LR after warmup here, so the
-    schedule does not depend on training.steps and the extended run must equal a straight 12-step run.)"""
-    straight = train_layout(pools, 2, (*EXTEND, "--training.steps", "12"), tmp_path / "straight")
+    schedule does not depend on training.steps and the extended run must equal a straight 6-step run; a restarted
+    schedule would warm up again at step 4, a restarted data stream would read step 1's batch.)"""
+    straight = train_layout(pools, 2, (*EXTEND, "--training.steps", "6"), tmp_path / "straight")
     run = tmp_path / "run"
-    train_layout(pools, 2, (*EXTEND, "--training.steps", "6"), run)
-    extended = train_layout(pools, 2, (*EXTEND, "--training.steps", "12"), run)
-    assert [m["step"] for m in extended["metrics"]] == list(range(1, 13)), "the extension must start at step 7"
-    extended = from_step(extended, 7)
-    expected = from_step(straight, 7)
+    train_layout(pools, 2, (*EXTEND, "--training.steps", "3"), run)
+    extended = train_layout(pools, 2, (*EXTEND, "--training.steps", "6"), run)
+    assert [m["step"] for m in extended["metrics"]] == list(range(1, 7)), "the extension must start at step 4"
+    extended = from_step(extended, 4)
+    expected = from_step(straight, 4)
     assert [m["loss"] for m in extended["metrics"]] == [m["loss"] for m in expected["metrics"]]
     assert extended["params"] == expected["params"]
-    assert _complete_steps(run) == [6, 12]  # full states, beside the model-only exports
-    assert (run / "checkpoint" / "step-6-model" / ".complete").exists()
+    assert _complete_steps(run) == [3, 6]  # full states, beside the model-only exports
+    assert (run / "checkpoint" / "step-3-model" / ".complete").exists()
 
-    # Going back to step 6 would overwrite step-12 of the run that got further: refused before any step.
-    error = setup_error(pools, 2, (*EXTEND, "--training.steps", "12", "--checkpoint.load_step", "6"), run)
-    assert "step-12" in error and "overwrite" in error, error
+    # Going back to step 3 would overwrite step-6 of the run that got further: refused before any step.
+    error = setup_error(pools, 2, (*EXTEND, "--training.steps", "6", "--checkpoint.load_step", "3"), run)
+    assert "step-6" in error and "overwrite" in error, error
     # Fewer steps than the checkpoint already has: refused with the key to change.
-    error = setup_error(pools, 2, (*EXTEND, "--training.steps", "10"), run)
-    assert "training.steps=10" in error, error
+    error = setup_error(pools, 2, (*EXTEND, "--training.steps", "5"), run)
+    assert "training.steps=5" in error, error
 
 
 def test_async_save_with_hugging_face_export_loads_in_transformers(pools, tmp_path):
@@ -222,7 +230,7 @@ KILL_RUN = (*COMMON, "--job.config_file", str(REPO / "train_configs" / "debug_mo
             "--lr_scheduler.decay_ratio", "0", "--validation.enable", "false", "--checkpoint.enable",
             "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0")
 KILL_LAUNCH = (*KILL_RUN, "--comm.init_timeout_seconds", "90")  # launch.py's own value, which COMMON would lower
-KILL_FROM_STEP = 3
+KILL_FROM_STEP = 2  # the first save after a complete one (step 1's): every kill leaves a checkpoint to resume
 # Where the kill is aimed, in the first save or step from KILL_FROM_STEP on that shows it: a save that has begun (its
 # folder exists, no .metadata yet), a save whose shards and .metadata are all written but whose .complete rank 0 has
 # not published yet (a folder that looks whole and is not), or the step after a complete save.
@@ -345,15 +353,16 @@ def test_kill_9_at_any_moment_then_resume(pools, tmp_path, tt_cache_dir):
     assert not problems, f"{where}: resumed from step {newest}, the curve does not continue: {problems[:5]}"
 
 
-def test_sigterm_saves_a_complete_checkpoint_and_exits(tmp_path, tt_cache_dir):
+def test_sigterm_saves_a_complete_checkpoint_and_exits(pools, tmp_path, tt_cache_dir):
+    # No periodic saves (interval 1000, no first-step save): a checkpoint can only come from the signal.
     proc = start_train(2, [*LAUNCH, "--training.steps", "400", "--checkpoint.interval", "1000"], tmp_path,
                        tt_cache_dir, tmp_path / "term.log")
+    metrics = tmp_path / "metrics.jsonl"
     try:
         deadline = time.time() + 180
-        metrics = tmp_path / "metrics.jsonl"
-        while time.time() < deadline and proc.poll() is None and (
-                not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        while time.time() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text()):
             time.sleep(0.1)
+        # After step 1 is logged: the ranks agree to stop in a later step's guard and save after it.
         os.kill(proc.pid, signal.SIGTERM)  # the launcher (torchrun) forwards it to every rank
         proc.wait(timeout=120)
     finally:
@@ -361,62 +370,77 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(tmp_path, tt_cache_dir):
             kill_tree(proc.pid)
     log = (tmp_path / "term.log").read_text()
     saved = _complete_steps(tmp_path)
-    assert saved and saved[-1] >= 3, log[-3000:]
+    assert saved and saved[-1] >= 2, log[-3000:]
     assert "SIGTERM received" in log
-    result = run_train(2, [*LAUNCH, "--training.steps", str(saved[-1] + 1)], tmp_path, tt_cache_dir)
-    assert result.returncode == 0, result.output[-4000:]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert logged == list(range(1, saved[-1] + 1)), f"the save must follow the last step trained: {logged}"
+    # The checkpoint resumes at the next step: in the rank pool (the kill -9 test resumes through run_train.sh), given
+    # the config file that torchrun read.
+    config = ("--job.config_file", str(REPO / "train_configs" / "debug_model.toml"))
+    resumed = pools.get(2).run(run_layout, [*config, *LAUNCH, "--training.steps", str(saved[-1] + 1)],
+                               str(tmp_path))[0]
+    assert [m["step"] for m in resumed["metrics"]] == [*logged, saved[-1] + 1], resumed["metrics"]
 
 
 MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe_small")
 
 
-def test_moe_resume_under_another_data_parallel_layout(pools, tmp_path):
-    """A mixture-of-experts run saved under FSDP 2 at step 6 resumes under HSDP 2 x 2 and continues the curve: the
+@pytest.fixture(scope="module")
+def straight_moe_fsdp2(pools, tmp_path_factory):
+    """The mixture-of-experts run every MoE resume test starts from: FSDP 2, saved at SAVED and at the end."""
+    out = tmp_path_factory.mktemp("straight_moe")
+    run = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), out)
+    assert _complete_steps(out) == [SAVED, STEPS]
+    return out, run
+
+
+# The MoE tests run in the order of their pools (2 ranks, then 4): each change of world size starts a fresh pool.
+
+def test_moe_resume_into_and_out_of_expert_parallel(straight_moe_fsdp2, pools, tmp_path):
+    """FSDP 2 saved at step 3 -> FSDP 2 + EP 2 (each rank holds half of every layer's experts; saves step 4) ->
+    FSDP 2 again from step 4: expert weights reshard between the expert mesh and FSDP and the curve continues."""
+    straight_dir, straight = straight_moe_fsdp2
+    ep_dir, back_dir = tmp_path / "ep2", tmp_path / "back"
+    _resume_from(straight_dir, SAVED, ep_dir)
+    ep = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2), "--parallelism.expert_parallel_degree", "2", *AND_MID),
+                      ep_dir)
+    problems = compare(ep, from_step(straight, SAVED + 1))
+    assert not problems, problems[:5]
+    _resume_from(ep_dir, MID, back_dir)
+    back = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), back_dir)
+    problems = compare(back, from_step(straight, MID + 1))
+    assert not problems, problems[:5]
+
+
+def test_moe_resume_under_another_data_parallel_layout(straight_moe_fsdp2, pools, tmp_path):
+    """A mixture-of-experts run saved under FSDP 2 at step 3 resumes under HSDP 2 x 2 and continues the curve: the
     routing biases of auxiliary-loss-free balancing (buffers, not parameters) are in the checkpoint and reshard
     like the rest (without them the resumed curve fails this test: checked by making the buffer non-persistent)."""
-    straight_dir, resumed_dir = tmp_path / "fsdp2", tmp_path / "hsdp2x2"
-    straight = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), straight_dir)
-    _resume_from(straight_dir, 6, resumed_dir)
+    straight_dir, straight = straight_moe_fsdp2
+    _resume_from(straight_dir, SAVED, tmp_path)
     resumed = train_layout(pools, 4, (*CKPT, *MOE, *dp(2, 4), "--parallelism.data_parallel_replicate_degree", "2"),
-                           resumed_dir)
-    assert [m["step"] for m in resumed["metrics"]] == list(range(7, STEPS + 1)), "must resume at step 7"
-    problems = compare(resumed, from_step(straight, 7))
+                           tmp_path)
+    assert [m["step"] for m in resumed["metrics"]] == list(range(SAVED + 1, STEPS + 1)), "must resume after SAVED"
+    problems = compare(resumed, from_step(straight, SAVED + 1))
     assert not problems, problems[:5]
 
 
-def test_moe_resume_into_and_out_of_expert_parallel(pools, tmp_path):
-    """FSDP 2 saved at step 6 -> FSDP 2 + EP 2 (each rank holds half of every layer's experts; saves step 9) ->
-    FSDP 2 again from step 9: expert weights reshard between the expert mesh and FSDP and the curve continues."""
-    straight_dir, ep_dir, back_dir = tmp_path / "fsdp2", tmp_path / "ep2", tmp_path / "back"
-    straight = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), straight_dir)
-    _resume_from(straight_dir, 6, ep_dir)
-    ep = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2), "--parallelism.expert_parallel_degree", "2",
-                                 "--checkpoint.interval", "3"), ep_dir)
-    problems = compare(ep, from_step(straight, 7))
-    assert not problems, problems[:5]
-    _resume_from(ep_dir, 9, back_dir)
-    back = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), back_dir)
-    problems = compare(back, from_step(straight, 10))
-    assert not problems, problems[:5]
-
-
-def test_moe_resume_across_expert_parallel_degrees_and_expert_tensor_parallel(pools, tmp_path):
-    """FSDP 2 saved at step 6 -> FSDP 2 x TP 2 + EP 2 with tensor parallel inside the experts (each expert weight a
-    2-D DTensor: experts over ep, hidden units over tp; saves step 9) -> FSDP 4 + EP 4 from step 9: the curve goes
+def test_moe_resume_across_expert_parallel_degrees_and_expert_tensor_parallel(straight_moe_fsdp2, pools, tmp_path):
+    """FSDP 2 saved at step 3 -> FSDP 2 x TP 2 + EP 2 with tensor parallel inside the experts (each expert weight a
+    2-D DTensor: experts over ep, hidden units over tp; saves step 4) -> FSDP 4 + EP 4 from step 4: the curve goes
     on through both reshardings."""
-    straight_dir, etp_dir, ep4_dir = tmp_path / "fsdp2", tmp_path / "tp2_ep2_etp2", tmp_path / "ep4"
-    straight = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), straight_dir)
-    _resume_from(straight_dir, 6, etp_dir)
+    straight_dir, straight = straight_moe_fsdp2
+    etp_dir, ep4_dir = tmp_path / "tp2_ep2_etp2", tmp_path / "ep4"
+    _resume_from(straight_dir, SAVED, etp_dir)
     etp_layout = (*MOE, *dp(4, 2), "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree",
                   "2", "--parallelism.expert_tensor_parallel_degree", "2")
-    etp = train_layout(pools, 4, (*CKPT, *etp_layout, "--checkpoint.interval", "3", "--checkpoint.last_save_in_hf",
-                                  "true"), etp_dir)
-    problems = compare(etp, from_step(straight, 7))
+    etp = train_layout(pools, 4, (*CKPT, *etp_layout, *AND_MID, "--checkpoint.last_save_in_hf", "true"), etp_dir)
+    problems = compare(etp, from_step(straight, SAVED + 1))
     assert not problems, problems[:5]
     _hf_export_round_trip(pools, etp_dir, etp_layout, tmp_path / "import")
-    _resume_from(etp_dir, 9, ep4_dir)
+    _resume_from(etp_dir, MID, ep4_dir)
     ep4 = train_layout(pools, 4, (*CKPT, *MOE, *dp(2, 4), "--parallelism.expert_parallel_degree", "4"), ep4_dir)
-    problems = compare(ep4, from_step(straight, 10))
+    problems = compare(ep4, from_step(straight, MID + 1))
     assert not problems, problems[:5]
 
 
