@@ -1,8 +1,11 @@
 """Dry run (scripts/dry_run.py): a 405B job on 512 ranks in seconds, exact per-rank bytes on the debug model, the
 pipeline stage split, and a bad config as the trainer's one-line error.
 
-Each case runs the script in a subprocess (it forks children and creates fake process groups; keeping them out of
-the pytest process keeps other tests' process-group state clean)."""
+The 405B case runs the documented command (scripts/dry_run.sh) in a subprocess; the others run the script as
+`python scripts/dry_run.py` would, in a child of the test fork server (tests/unit/forked.py run_main: the same
+exit code, stdout and stderr, without a new interpreter importing torch, ~5 s of CPU per case on 2 cores). Either
+way the script's children and fake process groups stay out of the pytest process, whose process-group state other
+tests share."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.unit.forked import run_main
+
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = ["--model.flavor", "debugmodel", "--training.seq_len", "256"]
 
@@ -25,9 +30,18 @@ def _env(**extra: str) -> dict[str, str]:
             "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", **extra}
 
 
+def _script(args: list[str]) -> None:
+    import runpy
+
+    sys.argv = ["scripts/dry_run.py", *args]
+    runpy.run_path("scripts/dry_run.py", run_name="__main__")
+
+
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/dry_run.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=_env())
+    """`python scripts/dry_run.py *args` from the repository root (as the fork server's child, see above)."""
+    code, out, err = run_main(_script, args, env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                                  "HF_HUB_OFFLINE": "1"}, cwd=REPO, timeout=timeout)
+    return subprocess.CompletedProcess(["scripts/dry_run.py", *args], code, out, err)
 
 
 def _model_params(flavor: str):
