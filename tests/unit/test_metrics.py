@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -374,44 +371,49 @@ def test_console_line_skips_missing_and_uses_cpu_memory(tmp_path: Path, capture)
     assert line == "step 3/5  tps 10  mem 1.3GiB ooms 2"
 
 
-def _in_fresh_process(code: str) -> str:
-    """Run `code` in a new interpreter: the allocator and FPU settings under test are process-wide."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip()
+# The allocator and FPU settings under test are process-wide: each case runs in a child of the test fork server
+# (tests/unit/forked.py in_child), which starts with the defaults (the fork server only imports modules) without a
+# new interpreter importing torch. The "before" values check those defaults.
+
+
+def _freed_memory_kept_mib() -> tuple[bool, float, float, float]:
+    from torchtitan.tools.device import _current_rss_bytes, keep_freed_host_memory, release_freed_host_memory
+
+    def kept_after_free() -> float:
+        base = _current_rss_bytes()
+        t = torch.ones(64 << 20)  # 256 MiB, touched
+        del t
+        return (_current_rss_bytes() - base) / 2**20
+
+    before = kept_after_free()
+    ok = keep_freed_host_memory()
+    after = kept_after_free()
+    base = _current_rss_bytes()
+    release_freed_host_memory()
+    return ok, before, after, (base - _current_rss_bytes()) / 2**20
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_keep_freed_host_memory_keeps_large_tensors_mapped() -> None:
     # Without it a freed 256 MiB tensor is unmapped at once (RSS drops back); with it the memory stays for reuse
     # until release_freed_host_memory.
-    out = _in_fresh_process("""
-        import torch
-        from torchtitan.tools.device import _current_rss_bytes, keep_freed_host_memory, release_freed_host_memory
-        def kept_after_free():
-            base = _current_rss_bytes()
-            t = torch.ones(64 << 20)  # 256 MiB, touched
-            del t
-            return (_current_rss_bytes() - base) / 2**20
-        before = kept_after_free()
-        ok = keep_freed_host_memory()
-        after = kept_after_free()
-        base = _current_rss_bytes()
-        release_freed_host_memory()
-        print(ok, round(before), round(after), round((base - _current_rss_bytes()) / 2**20))
-    """)
-    ok, before, after, released = out.split()
-    assert ok == "True" and int(before) < 64 and int(after) > 200, out
-    assert int(released) > 200, out  # malloc_trim hands the kept memory back
+    from tests.unit.forked import in_child
+
+    ok, before, after, released = out = in_child(_freed_memory_kept_mib)
+    assert ok is True and before < 64 and after > 200, out
+    assert released > 200, out  # malloc_trim hands the kept memory back
+
+
+def _denormals_flushed() -> tuple[bool, bool, bool]:
+    from torchtitan.tools.device import flush_cpu_denormals
+
+    x = torch.tensor([1e-39], dtype=torch.float32)
+    before = (x * 1.0).item()
+    return flush_cpu_denormals(), before > 0, (x * 1.0).item() == 0.0
 
 
 def test_flush_cpu_denormals_zeroes_subnormals() -> None:
-    out = _in_fresh_process("""
-        import torch
-        from torchtitan.tools.device import flush_cpu_denormals
-        x = torch.tensor([1e-39], dtype=torch.float32)
-        before = (x * 1.0).item()
-        print(flush_cpu_denormals(), before > 0, (x * 1.0).item() == 0.0)
-    """)
-    assert out in ("True True True", "False True False"), out  # False: a CPU without FTZ/DAZ
+    from tests.unit.forked import in_child
+
+    out = in_child(_denormals_flushed)
+    assert out in ((True, True, True), (False, True, False)), out  # False: a CPU without FTZ/DAZ
