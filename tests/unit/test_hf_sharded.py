@@ -6,8 +6,10 @@ I/O chunk."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import traceback
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,11 @@ from torchtitan.components.hf_sharded import load_hf_sharded, save_hf_sharded  #
 from torchtitan.models.llama3.args import llama3_flavors  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
 
-# 8 equal blocks (~3.1 MB each in float32) and a small vocabulary, so the model is dominated by its blocks
-# (about 27 MB) and one block is 1/8 of it.
-ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=8, vocab_size=1024)
+# 4 equal blocks (3.0 MiB each in float32) and a small vocabulary, so the model is dominated by its blocks (14.0 MiB
+# in all) and one block is 1/4 of it. The bound checked is per rank (twice its largest shard, 0.5 or 1.0 MiB here),
+# below one block whatever the block count, so a gathered block or tensor shows with 4 as with more; 4 keep the
+# file layout (one file per block, one for the rest) at half the ranks' work of the 8 used before.
+ARGS = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=4, vocab_size=1024)
 TOL = 1e-4
 _TP_PLAN = {f"layers.*.{name}": style for style, names in (
     (ColwiseParallel(), ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")),
@@ -53,8 +57,7 @@ def _model(seed: int) -> Transformer:
     return model.eval()
 
 
-def _sharded(seed: int, layout: str) -> Transformer:
-    model = _model(seed)
+def _shard(model: Transformer, layout: str) -> Transformer:
     if layout == "fsdp_tp":
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh2d["tp"], _TP_PLAN)
@@ -70,6 +73,18 @@ def _sharded(seed: int, layout: str) -> Transformer:
     else:
         parallelize_module(model, mesh, _TP_PLAN)
     assert any(isinstance(p, DTensor) for p in model.parameters())
+    return model
+
+
+def _nan_sharded(layout: str) -> Transformer:
+    """The import's destination, sharded as the export's model but built on meta as the trainer builds it, every
+    local element NaN: one the import leaves unwritten cannot equal the reference."""
+    with torch.device("meta"):
+        model = _shard(Transformer(ARGS), layout)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).fill_(float("nan"))
     return model
 
 
@@ -90,34 +105,84 @@ def _largest_shard(model: Transformer) -> int:
     return max(t.numel() * t.element_size() for t in local)
 
 
-def _export(rank: int, folder: Path, layout: str) -> tuple[int, int]:
-    model = _sharded(0, layout)
+def _export(rank: int, folder: Path, layout: str, model: Transformer) -> tuple[int, int]:
+    model = _shard(model, layout)
     sd = model.state_dict()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         save_hf_sharded(folder, sd, ARGS, model="llama3")
-    return _allocator_peak(prof), _largest_shard(model)
+    return _allocator_peak(prof, since_start=True), _largest_shard(model)
 
 
 def _import(rank: int, folder: Path, layout: str, want: Path) -> tuple[int, int]:
-    model = _sharded(7, layout)  # other weights, all to be overwritten
+    model = _nan_sharded(layout)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         load_hf_sharded(folder, [model], ARGS, model="llama3")
-    peak = _allocator_peak(prof), _largest_shard(model)
+    peak = _allocator_peak(prof, since_start=True), _largest_shard(model)
     got = _full(model)  # collective: every rank gathers
     if rank == 0:
         _assert_equals_saved(got, want)
     return peak
 
 
-def _model_bytes() -> int:
-    return sum(p.numel() * p.element_size() for p in _model(0).parameters())
+# Layouts of one world size share their forked ranks: one fork, process group and model build per world size instead
+# of one per export and per import.
+LAYOUTS = [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("hsdp", 4)]
 
 
-@pytest.mark.parametrize(("layout", "world"), [("fsdp", 2), ("tp", 2), ("fsdp_tp", 4), ("hsdp", 4)])
-def test_export_and_import_by_shard(tmp_path: Path, layout: str, world: int) -> None:
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path / "hf"
-    export_peaks = run_ranks(_export, folder, layout, world=world)
+def _export_import(rank: int, root: Path, layouts: list[str], want: Path) -> dict[str, dict]:
+    """Each layout's export into root/<layout>/hf, then its import into a fresh model; a layout that raises reports
+    its traceback and the next still runs."""
+    out = {}
+    model = _model(0)  # built once, a copy sharded per layout
+    for layout in layouts:
+        try:
+            out[layout] = {"export": _export(rank, root / layout / "hf", layout, copy.deepcopy(model)),
+                           "import": _import(rank, root / layout / "hf", layout, want), "error": None}
+        except Exception:
+            out[layout] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Transformer, dict[str, torch.Tensor]]:
+    """The model every layout exports, its single-process export read back (what every import must equal, saved as
+    want.pt for the ranks) and the folder the layouts write under."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf_sharded")
+    ours = _model(0)
+    ref, _ = load_hf(save_hf(root / "single", ours.state_dict(), ARGS, model="llama3"), ARGS)
+    torch.save(ref, root / "want.pt")
+    return root, ours, ref
+
+
+@pytest.fixture(scope="module")
+def by_shard(single_process):
+    """layout -> every rank's (export, import) results, the ranks of a world size run on the first request."""
+    root = single_process[0]
+    runs: dict[int, list[dict]] = {}
+
+    def results(layout: str) -> list[dict]:
+        world = dict(LAYOUTS)[layout]
+        if world not in runs:
+            layouts = [name for name, w in LAYOUTS if w == world]
+            for name in layouts:
+                (root / name).mkdir()
+            runs[world] = run_ranks(_export_import, root, layouts, root / "want.pt", world=world, timeout=300)
+        return [r[layout] for r in runs[world]]
+
+    return results
+
+
+@pytest.mark.parametrize(("layout", "world"), LAYOUTS)
+def test_export_and_import_by_shard(single_process, by_shard, layout: str, world: int) -> None:
+    import transformers
+
+    root, ours, ref = single_process
+    per_rank = by_shard(layout)
+    assert len(per_rank) == world
+    for r in per_rank:
+        assert r["error"] is None, r["error"]
+    folder = root / layout / "hf"
 
     # HF's layout: one file per group (embeddings/norm/output, then each block), an index, config.json.
     files = sorted(p.name for p in folder.iterdir())
@@ -128,9 +193,6 @@ def test_export_and_import_by_shard(tmp_path: Path, layout: str, world: int) -> 
     assert index["weight_map"]["model.layers.3.self_attn.q_proj.weight"] == f"model-00005-of-{n:05d}.safetensors"
 
     # The same bytes as the single-process export, and transformers' logits equal ours.
-    ours = _model(0)
-    single = save_hf(tmp_path / "single", ours.state_dict(), ARGS, model="llama3")
-    ref, _ = load_hf(single, ARGS)
     got, _ = load_hf(folder, ARGS)
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -141,13 +203,12 @@ def test_export_and_import_by_shard(tmp_path: Path, layout: str, world: int) -> 
         diff = (hf.eval()(tokens).logits - ours(tokens)).abs().max().item()
     assert diff <= TOL, f"max |logit diff| {diff:.3g}"
 
-    # Import by shard into a fresh sharded model equals the single-process import.
-    torch.save(ref, tmp_path / "want.pt")
-    import_peaks = run_ranks(_import, folder, layout, tmp_path / "want.pt", world=world)
-
+    # Import by shard into a fresh sharded model equals the single-process import (checked on rank 0 in _import).
     # Per rank, everything allocated during the call: the rows of one shard in flight (taken, then converted) and
     # index vectors, so at most twice the rank's largest shard, plus 64 KiB; never a gathered tensor or block.
-    total = _model_bytes()
+    export_peaks = [r["export"] for r in per_rank]
+    import_peaks = [r["import"] for r in per_rank]
+    total = sum(p.numel() * p.element_size() for p in ours.parameters())
     block = sum(p.numel() * p.element_size() for p in ours.layers["0"].parameters())
     for peak, largest in export_peaks + import_peaks:
         assert peak <= 2 * largest + (64 << 10), (export_peaks, import_peaks, total, block)
@@ -220,24 +281,35 @@ def test_moe_export_and_import_by_shard_match_single_process(tmp_path: Path, nam
 
 def _io_405b_block(folder: Path) -> dict:
     """Rank 0's rows of a 405B-shaped block (FSDP 8 x TP 8, 64 ranks, the others absent under a fake process
-    group) written into the planned files and read back into a second model: the allocator's peak of each."""
+    group) written into the planned files and read back into a second model: the allocator's peak of each.
+
+    What is measured is the I/O alone, so the shards' values need not be the trainer's initialisation (a hashed
+    fill of 110M elements, 7 s of CPU, tested in test_init_by_shard.py): the exported shards are uniform draws (a
+    misplaced row cannot round-trip equal) and the import's destination starts all NaN (a row it misses cannot)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchtitan.components import hf_io, hf_sharded
-    from torchtitan.components.model_parts import materialize, model_state_dict
+    from torchtitan.components.model_parts import model_state_dict
     from torchtitan.components.safetensors_slices import create_file
     from torchtitan.config.manager import load_config
-    from torchtitan.distributed import utils as dist_utils
     from torchtitan.estimation.engine import build_parallel_model
 
     cfg, resolved = load_config(["--job.config_file", "train_configs/llama3_405b.toml"], 64)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     args = dataclasses.replace(llama3_flavors["405B"], n_layers=1)
+    gen = torch.Generator().manual_seed(0)
     models = []
-    for seed in (0, 1):
+    for fill in ("uniform", "nan"):
         parts, _, _ = build_parallel_model(cfg, resolved.parallel_dims, "cpu", n_layers=1, ddp=False)
-        materialize(parts, torch.device("cpu"), seed=seed, param_init=dist_utils.param_init)
+        for part in parts:
+            part.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in (p for part in parts for p in part.parameters()):
+                if fill == "uniform":
+                    p.to_local().uniform_(-1.0, 1.0, generator=gen)
+                else:
+                    p.to_local().fill_(float("nan"))
         models.append(parts)
     sd = model_state_dict(models[0])
     adapter = hf_io.adapter_for("llama3", args)(args)
