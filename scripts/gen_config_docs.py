@@ -26,8 +26,11 @@ Generated from `torchtitan/config/job_config.py` by `python scripts/gen_config_d
 A run's configuration is the dataclass defaults, overridden by a TOML file (`--job.config_file`, which
 `run_train.sh` sets from `CONFIG_FILE` unless the command line has its own), overridden by `--section.key value`
 command-line arguments. A key given twice on the command line takes the last value.
-`./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type or an
-invalid value stops the run before any process group is created, with one line naming the key and file.
+`./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type, an
+invalid value or degrees that do not multiply to the world size stop the run with one line naming the key and
+file (`config error: ...`, exit code 2): `run_train.sh` checks the config once, for NGPU x nodes processes,
+before torchrun starts any rank (an elastic node range leaves the degrees to the ranks, which check again before
+any process group is created).
 The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`: every
 value left to be derived (-1: `data_parallel_shard_degree`, `global_batch_size`, the validation batch and
 sequence length) appears as the number the run used (`torchtitan/config/resolve.py` derives them, once).

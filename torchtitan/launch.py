@@ -1,5 +1,6 @@
 """What `./run_train.sh` runs: one interpreter that checks the environment, settles the process count, the config
-file and the thread count, then runs torchrun in this same process (`torch.distributed.run.main`).
+file and the thread count, checks the config as the ranks will (a bad one is one line, exit code 2), then runs
+torchrun in this same process (`torch.distributed.run.main`).
 
 A launch therefore imports torch once before the ranks start, not once per check (each import is ~1.4 s on a
 2-core machine; see docs/performance.md). The environment variables are those run_train.sh documents:
@@ -20,19 +21,67 @@ CPU_PROCESSES = 2  # without a GPU: two gloo ranks, so the default run exercises
 REQUIRED_MODULES = ("torch", "tokenizers", "torchdata", "tiktoken")
 
 
-def torchrun_argv(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> list[str]:
-    """torchrun's command line for `train_args` (config overrides), from run_train.sh's environment variables.
+def _nproc(env: Mapping[str, str], gpu_count: int) -> str:
+    return env.get("NGPU") or str(gpu_count if gpu_count > 0 else CPU_PROCESSES)
+
+
+def entry_point_argv(train_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """What each rank's `torchtitan.train` receives: CONFIG_FILE's TOML, then the overrides.
 
     The user's own --job.config_file replaces CONFIG_FILE: passing both would load one TOML and record the other.
     """
-    nproc = env.get("NGPU") or str(gpu_count if gpu_count > 0 else CPU_PROCESSES)
     own_config = any(a == "--job.config_file" or a.startswith("--job.config_file=") for a in train_args)
     config = [] if own_config else ["--job.config_file", env.get("CONFIG_FILE") or DEFAULT_CONFIG_FILE]
+    return [*config, *train_args]
+
+
+def torchrun_argv(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> list[str]:
+    """torchrun's command line for `train_args` (config overrides), from run_train.sh's environment variables."""
     # Rendezvous on port 0 by default (--standalone): the OS picks a free port, so concurrent runs never collide.
     rendezvous = shlex.split(env.get("TORCHRUN_ARGS") or "--standalone")
-    return [f"--nproc_per_node={nproc}", *rendezvous,
+    return [f"--nproc_per_node={_nproc(env, gpu_count)}", *rendezvous,
             "--local-ranks-filter", env.get("LOG_RANK") or "0", "--role", "rank", "--tee", "3",
-            "-m", "torchtitan.train", *config, *train_args]
+            "-m", "torchtitan.train", *entry_point_argv(train_args, env)]
+
+
+def world_size(env: Mapping[str, str], gpu_count: int) -> int | None:
+    """The job's process count (processes per node x nodes), or None where the launch does not fix it: an elastic
+    node range (--nnodes 2:4) or a value torchrun itself will reject."""
+    nnodes = "1"
+    rendezvous = shlex.split(env.get("TORCHRUN_ARGS") or "")
+    for i, arg in enumerate(rendezvous):
+        if arg == "--nnodes" and i + 1 < len(rendezvous):
+            nnodes = rendezvous[i + 1]
+        elif arg.startswith("--nnodes="):
+            nnodes = arg.split("=", 1)[1]
+    low, _, high = nnodes.partition(":")
+    if high and high != low:
+        return None
+    try:
+        nodes, nproc = int(low), int(_nproc(env, gpu_count))
+    except ValueError:
+        return None
+    return nodes * nproc if nodes > 0 and nproc > 0 else None
+
+
+def check_before_launch(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> None:
+    """The ranks' own config checks (torchtitan/config/preflight.py), run once here before torchrun starts them:
+    a bad key, value, flavor or degree is then one line on stderr and exit code 2, rather than every rank failing
+    the same way inside torchrun's report (where LOG_RANK may hide the rank that printed it)."""
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.manager import parse_args
+    from torchtitan.config.preflight import check_job
+
+    argv = entry_point_argv(train_args, env)
+    world = world_size(env, gpu_count)
+    try:
+        if world is None:  # the degrees are checked by the ranks, once the world size is known
+            parse_args(argv)
+        else:
+            check_job(argv, world)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _missing_module() -> str | None:
@@ -58,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if gpu_count == 0:
         # CPU ranks share the cores: one OpenMP thread each avoids oversubscription (and fork deadlocks).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    check_before_launch(train_args, os.environ, gpu_count)
     torchrun(torchrun_argv(train_args, os.environ, gpu_count))
 
 

@@ -29,7 +29,8 @@ from torchtitan.components.step_guard import StepGuard, TrainingError
 from torchtitan.components.validate import Validator
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import load_config, to_dict
+from torchtitan.config.manager import to_dict
+from torchtitan.config.preflight import check_job
 from torchtitan.config.resolve import Resolved
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
@@ -43,7 +44,7 @@ from torchtitan.distributed.preemption import PreemptionFlag
 from torchtitan.models.registry import get_model_spec
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import init_logger, logger
-from torchtitan.tools.profiling import check_profiling_device, maybe_profile
+from torchtitan.tools.profiling import maybe_profile
 
 COMM_TRACES = "comm_traces"
 """Folder inside job.dump_folder where flight-recorder dumps go after a failed or timed-out collective"""
@@ -340,16 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()
     rank, _, world_size = dist_utils.env_world()
     try:
-        # Everything that can be checked without a process group is checked here, before one exists.
-        # load_config fills in every derived value (dp_shard, global batch, validation shape) in cfg itself, so
-        # the Trainer, the estimator and the saved job_config.json all see the numbers this run uses.
-        cfg, resolved = load_config(argv, world_size)
-        if cfg.parallelism.enable_async_tensor_parallel and device_tools.device_type() != "cuda":
-            raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA GPUs (symmetric memory); "
-                              f"this machine runs on {device_tools.device_type()}")
-        if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
-            raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1), not {world_size}")
-        check_profiling_device(cfg.profiling, device_tools.device_type())
+        # Everything that can be checked without a process group is checked here, before one exists (the launcher
+        # ran the same checks before starting the ranks; a run started another way gets them here).
+        cfg, resolved = check_job(argv, world_size)
     except ConfigError as e:
         # Every rank reports (torchrun shows LOG_RANK's output) and records the error for the launcher's
         # summary: whichever rank exits first gets the others killed, possibly before they print.

@@ -45,9 +45,11 @@ def test_default_config_trains_and_writes_its_record(tmp_path, tt_cache_dir):
 
 
 def test_config_error_fails_fast_with_one_line(tmp_path, tt_cache_dir):
+    # The launcher checks the config before torchrun starts any rank: one line, exit code 2, no torchrun report.
     result = run_train(2, ["--training.seq_len", "-4"], tmp_path, tt_cache_dir, timeout=120)
-    assert result.returncode != 0
-    assert "training.seq_len" in result.output
+    assert result.returncode == 2, result.output[-3000:]
+    assert result.output.strip().splitlines() == ["config error: training.seq_len: must be > 0, got -4"], \
+        result.output[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -60,8 +62,9 @@ def test_setup_error_on_every_rank_fails_the_command(tmp_path, tt_cache_dir):
 
 def test_layout_that_does_not_fit_the_world_is_rejected(tmp_path, tt_cache_dir):
     result = run_train(2, ["--parallelism.data_parallel_shard_degree", "4"], tmp_path, tt_cache_dir, timeout=120)
-    assert result.returncode != 0
-    assert "world size is 2" in result.output
+    assert result.returncode == 2, result.output[-3000:]
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error:") and "world size is 2" in lines[0], lines
 
 
 def test_loss_compare_script(tmp_path):

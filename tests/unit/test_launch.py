@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import parse_args
 
-from torchtitan.launch import DEFAULT_CONFIG_FILE, main, torchrun_argv
+from torchtitan.launch import DEFAULT_CONFIG_FILE, main, torchrun_argv, world_size
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
@@ -59,6 +59,57 @@ def test_a_missing_package_is_one_line_before_torchrun(monkeypatch):
         main([])
     message = str(exit_info.value.code)
     assert message.startswith("[launch]") and "cannot import tiktoken" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("env", "gpus", "world"), [
+    ({}, 0, 2),  # two CPU processes
+    ({"NGPU": "4"}, 8, 4),
+    ({"TORCHRUN_ARGS": "--nnodes 4 --node_rank 1 --rdzv_backend c10d --rdzv_endpoint host:29500"}, 8, 32),
+    ({"NGPU": "2", "TORCHRUN_ARGS": "--nnodes=3:3 --rdzv_backend c10d"}, 0, 6),
+    ({"TORCHRUN_ARGS": "--nnodes 2:4 --rdzv_backend c10d"}, 8, None),  # elastic: unknown before rendezvous
+    ({"NGPU": "many"}, 0, None),  # torchrun reports it
+])
+def test_world_size_from_the_launch_variables(env, gpus, world):
+    assert world_size(env, gpus) == world
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--training.seq_len", "-4"], {}, "training.seq_len: must be > 0, got -4"),
+    (["--training.stepz", "3"], {}, "unknown config key 'training.stepz'"),
+    (["--parallelism.data_parallel_shard_degree", "4"], {"NGPU": "2"}, "but the world size is 2"),
+    (["--parallelism.data_parallel_shard_degree", "4"], {"NGPU": "2", "TORCHRUN_ARGS": "--nnodes 3"},
+     "but the world size is 6"),
+    (["--model.flavor", "nope"], {"CONFIG_FILE": "train_configs/llama3_8b.toml"}, "model.flavor"),
+])
+def test_a_bad_config_is_one_line_and_exit_2_before_torchrun(args, env, message, monkeypatch, capsys):
+    import torch.distributed.run
+
+    def torchrun(_):
+        raise AssertionError("torchrun started")
+
+    monkeypatch.setattr(torch.distributed.run, "main", torchrun)
+    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error:") and message in err, err
+
+
+def test_a_valid_config_reaches_torchrun_unchanged(monkeypatch):
+    import torch.distributed.run
+
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "main", seen.append)
+    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(REPO)
+    main(["--training.steps", "3"])
+    assert seen and seen[0][-4:] == ["--job.config_file", DEFAULT_CONFIG_FILE, "--training.steps", "3"]
 
 
 # A fake Slurm: scontrol expands only the node list the test gives it (into FAKE_HOSTS), srun records its argv and
