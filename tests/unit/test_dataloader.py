@@ -216,6 +216,26 @@ def test_tokenizes_lazily() -> None:
     assert 0 < tok.calls < 30
 
 
+def test_first_blocks_are_small_and_change_no_token() -> None:
+    # A pass starts with blocks of FIRST_BLOCK_CHARS that double up to block_chars: the first batch waits for a
+    # few documents, not 32K characters of them, and the packed stream is the one-document-at-a-time reference.
+    from torchtitan.data.dataloader import DEFAULT_BLOCK_CHARS, FIRST_BLOCK_CHARS
+
+    source = _source(3000, bad=frozenset())
+    doc_chars = sum(len(text) for _, text in source.iter_documents(0)) / source.num_documents
+    tok = ByteTokenizer()
+    dl = _loader(source, 32, 2, tokenizer=tok, block_chars=DEFAULT_BLOCK_CHARS)
+    tok.calls = 0
+    it = iter(dl)
+    first = [next(it)]
+    assert tok.calls <= FIRST_BLOCK_CHARS / doc_chars + 2, (tok.calls, doc_chars)  # ~40, not ~400
+    batches = first + [next(it) for _ in range(500)]  # ~33K tokens: past the 4K+8K+16K blocks into a full one
+    assert tok.calls > DEFAULT_BLOCK_CHARS / doc_chars
+    tokens, _ = _reference(source, min_tokens=501 * 2 * 33)
+    rows = _rows(batches)
+    assert [t for row in rows for t in row] == tokens[:len(rows) * 33]
+
+
 def test_resume_does_not_retokenize_prefix() -> None:
     source = _source(400, bad=frozenset())
     tok = ByteTokenizer()

@@ -48,6 +48,10 @@ __all__ = ["STATE_KEYS", "PackedDataLoader", "build_dataloader", "document_ids_f
 STATE_KEYS = ("sequences_consumed", "next_doc", "doc_token_offset", "epoch")
 # ~8K tokens of code per block: ~10 ms of BPE work, so one pickled message per block costs <1%.
 DEFAULT_BLOCK_CHARS = 32_768
+# A pass starts with small blocks that double up to block_chars: the first batch waits for one ~4K-character block,
+# not 32K (and a validation pass re-reads from the start at each evaluation). Blocks end at document boundaries and
+# every document is encoded alone, so block sizes change which worker encodes what, never the tokens.
+FIRST_BLOCK_CHARS = 4_096
 # forkserver: workers start from a clean server process, not from the trainer, which by the time a
 # dataloader (or the validator's) first iterates has run multi-threaded OpenMP work (forking after it
 # deadlocks children, see docs/architecture.md, 'CPU and gloo pitfalls') and holds gloo/NCCL threads
@@ -72,7 +76,7 @@ def _iter_blocks(source: DocumentSource, tokenizer: BaseTokenizer, epoch: int, s
         for index, text in source.iter_documents(first):
             block.append((index, text))
             chars += len(text)
-            if chars >= block_chars:
+            if chars >= min(block_chars, FIRST_BLOCK_CHARS << min(position, 16)):
                 if position % num_workers == worker:
                     yield _encode_block(tokenizer, position, epoch, block)
                 position, block, chars = position + 1, [], 0
