@@ -15,6 +15,7 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
 CPU_PROCESSES = 2  # without a GPU: two gloo ranks, so the default run exercises FSDP
@@ -84,6 +85,42 @@ def check_before_launch(train_args: Sequence[str], env: Mapping[str, str], gpu_c
         sys.exit(2)
 
 
+# Errors a rank reports as one line of its own (a bad setting, file or step): the summary drops the type name.
+_ONE_LINE_ERRORS = ("ConfigError", "ValueError", "FileNotFoundError", "TrainingError")
+
+
+def failure_line(failures: Mapping[int, Any]) -> tuple[str, int]:
+    """One line and the exit code for a failed job, from torchrun's per-rank failures (ChildFailedError.failures:
+    global rank -> ProcessFailure, which read each rank's error file, see torchtitan/distributed/utils.py
+    record_failure). The rank named is the first that recorded an error of its own; ranks that torchrun stopped
+    after it (SIGTERM) or that exited without recording one come only where none recorded. Whatever LOG_RANK
+    shows, the user learns which rank failed and why."""
+    def recorded(failure: Any) -> str | None:
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message")
+        # a rank without an error file gets a made-up message (its signal, or a link to torch's docs)
+        return message if isinstance(message, str) and os.path.isfile(failure.error_file) else None
+
+    def order(rank: int) -> tuple:
+        failure = failures[rank]
+        return (recorded(failure) is None, failure.timestamp, rank)
+
+    rank = min(failures, key=order)
+    failure = failures[rank]
+    code = failure.exitcode if 0 < failure.exitcode < 256 else 1
+    message = recorded(failure)
+    if message is not None:
+        kind, sep, text = message.partition(": ")
+        first = (text if sep and kind in _ONE_LINE_ERRORS else message).strip().splitlines()
+        where = "" if sep and kind in _ONE_LINE_ERRORS else f" (traceback in {failure.error_file})"
+        return f"[launch] rank {rank} failed (exit code {failure.exitcode}): {first[0] if first else kind}{where}", code
+    if failure.exitcode < 0:
+        return f"[launch] rank {rank} was stopped by {failure.signal_name()} before it recorded an error", code
+    return (f"[launch] rank {rank} exited with code {failure.exitcode} without recording an error (its output: "
+            f"LOG_RANK={failure.local_rank})"), code
+
+
 def _missing_module() -> str | None:
     """The first required module this interpreter cannot import, with the reason; None when all import."""
     for name in REQUIRED_MODULES:
@@ -108,7 +145,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         # CPU ranks share the cores: one OpenMP thread each avoids oversubscription (and fork deadlocks).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     check_before_launch(train_args, os.environ, gpu_count)
-    torchrun(torchrun_argv(train_args, os.environ, gpu_count))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun(torchrun_argv(train_args, os.environ, gpu_count))
+    except ChildFailedError as e:  # instead of its traceback and report: one line naming the rank and the reason
+        line, code = failure_line(e.failures)
+        print(line, file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

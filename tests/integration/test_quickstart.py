@@ -56,8 +56,37 @@ def test_config_error_fails_fast_with_one_line(tmp_path, tt_cache_dir):
 def test_setup_error_on_every_rank_fails_the_command(tmp_path, tt_cache_dir):
     missing = tmp_path / "no_such_tokenizer.json"
     result = run_train(2, ["--model.tokenizer_path", str(missing)], tmp_path / "out", tt_cache_dir, timeout=120)
-    assert result.returncode != 0
-    assert "model.tokenizer_path" in result.output and str(missing) in result.output
+    assert result.returncode == 2, result.output[-3000:]
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("[launch] rank ") and f"model.tokenizer_path: tokenizer file not found: {missing}" in last
+
+
+# Rank 1 alone fails during setup (a sitecustomize on PYTHONPATH replaces its tokenizer builder before the entry
+# point imports it); rank 0 gets on with its setup until torchrun stops it.
+_RANK1_FAILS = """
+import os
+if os.environ.get("RANK") == "1":
+    import torchtitan.data.tokenizer as tokenizer
+
+    def build_tokenizer(*args, **kwargs):
+        raise ValueError("model.tokenizer_path: planted failure on rank 1 only")
+
+    tokenizer.build_tokenizer = build_tokenizer
+"""
+
+
+def test_a_rank_failing_alone_is_named_in_one_line_whatever_log_rank_shows(tmp_path, tt_cache_dir):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_RANK1_FAILS)
+    result = run_train(2, ["--training.steps", "1"], tmp_path / "out", tt_cache_dir, timeout=120,
+                       extra_env={"LOG_RANK": "0", "PYTHONPATH": f"{site}:{REPO}"})
+    assert result.returncode == 2, result.output[-3000:]
+    last = result.output.strip().splitlines()[-1]
+    assert last == "[launch] rank 1 failed (exit code 2): model.tokenizer_path: planted failure on rank 1 only", \
+        result.output[-3000:]
+    assert "[rank0]" in result.output and "planted failure" not in result.output.replace(last, "")  # rank 1 hidden
+    assert "Traceback" not in result.output and "ChildFailedError" not in result.output, result.output[-3000:]
 
 
 def test_layout_that_does_not_fit_the_world_is_rejected(tmp_path, tt_cache_dir):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import parse_args
 
-from torchtitan.launch import DEFAULT_CONFIG_FILE, main, torchrun_argv, world_size
+from torchtitan.launch import DEFAULT_CONFIG_FILE, failure_line, main, torchrun_argv, world_size
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
@@ -110,6 +110,40 @@ def test_a_valid_config_reaches_torchrun_unchanged(monkeypatch):
     monkeypatch.chdir(REPO)
     main(["--training.steps", "3"])
     assert seen and seen[0][-4:] == ["--job.config_file", DEFAULT_CONFIG_FILE, "--training.steps", "3"]
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None, timestamp: int = 100):
+    """torchrun's own ProcessFailure, reading an error file as record_failure writes it (None: no file)."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error{rank}.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "Traceback ...", "timestamp": str(timestamp)}}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_failure_line_names_the_rank_that_recorded_its_error(tmp_path):
+    # rank 0 was stopped by torchrun (SIGTERM, no error of its own), rank 1 recorded a setup error
+    failures = {0: _failure(tmp_path, 0, -15, None), 1: _failure(tmp_path, 1, 2, "ValueError: data.x: bad file")}
+    assert failure_line(failures) == ("[launch] rank 1 failed (exit code 2): data.x: bad file", 2)
+
+
+def test_failure_line_takes_the_earliest_recorded_error_and_points_to_unexpected_tracebacks(tmp_path):
+    failures = {0: _failure(tmp_path, 0, 1, "RuntimeError: gloo: connection reset\nmore", timestamp=200),
+                1: _failure(tmp_path, 1, 1, "RuntimeError: shape mismatch in layers.3\nmore", timestamp=150)}
+    line, code = failure_line(failures)
+    assert line == (f"[launch] rank 1 failed (exit code 1): RuntimeError: shape mismatch in layers.3 (traceback in "
+                    f"{tmp_path / 'error1.json'})") and code == 1
+
+
+def test_failure_line_without_any_recorded_error(tmp_path):
+    assert failure_line({3: _failure(tmp_path, 3, -9, None)}) == (
+        "[launch] rank 3 was stopped by SIGKILL before it recorded an error", 1)
+    line, code = failure_line({2: _failure(tmp_path, 2, 7, None)})
+    assert line.startswith("[launch] rank 2 exited with code 7 without recording an error") and code == 7
 
 
 # A fake Slurm: scontrol expands only the node list the test gives it (into FAKE_HOSTS), srun records its argv and
