@@ -66,22 +66,25 @@ def world_size(env: Mapping[str, str], gpu_count: int) -> int | None:
 
 
 def check_before_launch(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> None:
-    """The ranks' own config checks (torchtitan/config/preflight.py), run once here before torchrun starts them:
-    a bad key, value, flavor or degree is then one line on stderr and exit code 2, rather than every rank failing
-    the same way inside torchrun's report (where LOG_RANK may hide the rank that printed it)."""
+    """The ranks' own checks (torchtitan/config/preflight.py), run once here before torchrun starts them: a bad key,
+    value, flavor, degree, tokenizer or data path is then one line on stderr and exit code 2, rather than every rank
+    failing the same way inside torchrun's report (where LOG_RANK may hide the rank that printed it)."""
     from torchtitan.config.errors import ConfigError
     from torchtitan.config.manager import parse_args
-    from torchtitan.config.preflight import check_job
+    from torchtitan.config.preflight import check_inputs, check_job
 
     argv = entry_point_argv(train_args, env)
     world = world_size(env, gpu_count)
     try:
-        if world is None:  # the degrees are checked by the ranks, once the world size is known
-            parse_args(argv)
-        else:
-            check_job(argv, world)
+        # the degrees need the world size: with an elastic node count the ranks check them once it is known
+        cfg = parse_args(argv) if world is None else check_job(argv, world)[0]
+        if not cfg.memory_estimation.enable:  # an estimate needs neither data nor tokenizer on this machine
+            check_inputs(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (ValueError, FileNotFoundError) as e:  # data and tokenizer errors name their key and file
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -30,12 +30,12 @@ from torchtitan.components.validate import Validator
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_dict
-from torchtitan.config.preflight import check_job
+from torchtitan.config.preflight import check_job, checked_tokenizer
 from torchtitan.config.resolve import Resolved
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.data.mixture import build_mixture_dataloader
-from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
+from torchtitan.data.tokenizer import default_cache_dir
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss
 from torchtitan.distributed.context_parallel import shard_microbatches
@@ -75,12 +75,7 @@ class Trainer:
         # Tokenizer and data are checked before the model is built: a bad path fails in seconds.
         spec = get_model_spec(cfg.model.name)
         model_args = model_args_for(cfg)
-        tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir(), model_args.vocab_size)
-        if tokenizer.vocab_size > model_args.vocab_size:
-            raise ConfigError(
-                f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "
-                f"{cfg.model.name}/{cfg.model.flavor} has vocab_size {model_args.vocab_size}"
-            )
+        tokenizer = checked_tokenizer(cfg, model_args.vocab_size)
         dp_mesh = parallel_dims.mesh("dp")
         t = cfg.training
         source_args = dict(text_column=t.dataset_text_column, split=t.dataset_split, streaming=t.dataset_streaming,

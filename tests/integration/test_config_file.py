@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.integration.launch import run_train
+from tests.integration.launch import REPO, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +58,20 @@ def test_run_train_passes_exactly_one_config_file(tmp_path, tt_cache_dir, form):
 
 
 def test_job_config_json_records_the_file_loaded_and_resolved_numbers(tmp_path, tt_cache_dir):
-    # The run stops at the tokenizer (missing), right after rank 0 saved job_config.json: no model, no training.
+    # The rank stops at its tokenizer, right after it saved job_config.json: no model, no training. (A
+    # sitecustomize on PYTHONPATH fails the rank's tokenizer builder; the launcher's own check, before torchrun,
+    # runs without RANK and passes.)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('RANK') is not None:\n    import torchtitan.data.tokenizer as t\n"
+        "    def stop(*args, **kwargs):\n        raise ValueError('model.tokenizer_path: stopped by the test')\n"
+        "    t.build_tokenizer = stop\n")
     other = tmp_path / "other.toml"
-    other.write_text(f'[model]\ntokenizer_path = "{tmp_path / "missing.json"}"\n'
-                     "[training]\nlocal_batch_size = 3\nseq_len = 64\n[validation]\nenable = true\n")
-    result = run_train(1, ["--job.config_file", str(other)], tmp_path / "out", tt_cache_dir, timeout=120)
-    assert result.returncode != 0 and "model.tokenizer_path" in result.output, result.output[-3000:]
+    other.write_text("[training]\nlocal_batch_size = 3\nseq_len = 64\n[validation]\nenable = true\n")
+    result = run_train(1, ["--job.config_file", str(other)], tmp_path / "out", tt_cache_dir, timeout=120,
+                       extra_env={"PYTHONPATH": f"{site}:{REPO}"})
+    assert result.returncode == 2 and "stopped by the test" in result.output, result.output[-3000:]
     saved = json.loads((tmp_path / "out" / "job_config.json").read_text())
     assert saved["job"]["config_file"] == str(other)
     assert saved["training"]["local_batch_size"] == 3  # from other.toml, not the default TOML's 4

@@ -69,7 +69,8 @@ def test_missing_text_column_fails_before_training(tmp_path, tt_cache_dir):
     data = tmp_path / "train.jsonl"
     _write_jsonl(data, 20, seed=0)
     result = run_train(1, ["--training.dataset_path", str(data)], tmp_path / "out", tt_cache_dir, timeout=120)
-    assert result.returncode != 0
-    assert "training.dataset_text_column" in result.output or "'text'" in result.output
-    assert str(data) in result.output
+    assert result.returncode == 2, result.output[-3000:]
+    lines = result.output.strip().splitlines()  # the launcher's check: one line, before torchrun
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert ("training.dataset_text_column" in lines[0] or "'text'" in lines[0]) and str(data) in lines[0], lines
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -53,12 +53,18 @@ def test_config_error_fails_fast_with_one_line(tmp_path, tt_cache_dir):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_setup_error_on_every_rank_fails_the_command(tmp_path, tt_cache_dir):
+def test_missing_tokenizer_or_data_fails_in_the_launcher_with_one_line(tmp_path, tt_cache_dir):
+    # The launcher opens the tokenizer and local data as the ranks would, before torchrun starts any of them.
     missing = tmp_path / "no_such_tokenizer.json"
     result = run_train(2, ["--model.tokenizer_path", str(missing)], tmp_path / "out", tt_cache_dir, timeout=120)
     assert result.returncode == 2, result.output[-3000:]
-    last = result.output.strip().splitlines()[-1]
-    assert last.startswith("[launch] rank ") and f"model.tokenizer_path: tokenizer file not found: {missing}" in last
+    assert result.output.strip().splitlines() == [f"error: model.tokenizer_path: tokenizer file not found: {missing}"]
+    missing = tmp_path / "no_such_data.jsonl"
+    result = run_train(2, ["--validation.enable", "--validation.dataset_path", str(missing)], tmp_path / "out",
+                       tt_cache_dir, timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert result.output.strip().splitlines() == [f"error: validation.dataset_path: no such file or directory: "
+                                                   f"{missing}"]
 
 
 # Rank 1 alone fails during setup (a sitecustomize on PYTHONPATH replaces its tokenizer builder before the entry
@@ -125,6 +131,7 @@ def test_tokenizer_larger_than_the_model_vocab_is_rejected_before_training(tmp_p
     path.parent.mkdir()
     tok.save(str(path))
     result = run_train(1, ["--model.tokenizer_path", str(path)], tmp_path / "out", tt_cache_dir, timeout=120)
-    assert result.returncode != 0
-    assert "model.tokenizer_path" in result.output and "9003 tokens" in result.output and "8192" in result.output
+    assert result.returncode == 2, result.output[-3000:]
+    assert result.output.strip().splitlines() == [
+        "config error: model.tokenizer_path: the tokenizer has 9003 tokens but llama3/debugmodel has vocab_size 8192"]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

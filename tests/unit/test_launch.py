@@ -100,6 +100,29 @@ def test_a_bad_config_is_one_line_and_exit_2_before_torchrun(args, env, message,
     assert err.count("\n") == 1 and err.startswith("config error:") and message in err, err
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model.tokenizer_path", "/nonexistent/tokenizer.json"], "model.tokenizer_path: tokenizer file not found"),
+    (["--training.dataset_path", "/nonexistent/train.jsonl"], "training.dataset_path: no such file or directory"),
+    (["--validation.enable", "--validation.dataset", "nope"], "validation.dataset: unknown dataset 'nope'"),
+])
+def test_a_missing_tokenizer_or_data_is_one_line_and_exit_2_before_torchrun(args, message, monkeypatch, capsys):
+    import torch.distributed.run
+
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "main", seen.append)
+    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2 and not seen
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    # A memory estimate needs neither: the launch goes on to torchrun, whose ranks estimate.
+    main([*args, "--memory_estimation.enable"])
+    assert len(seen) == 1
+
+
 def test_a_valid_config_reaches_torchrun_unchanged(monkeypatch):
     import torch.distributed.run
 

@@ -29,3 +29,37 @@ def check_job(argv: Sequence[str] | None, world_size: int) -> tuple[JobConfig, R
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1), not {world_size}")
     check_profiling_device(cfg.profiling, device_type)
     return cfg, resolved
+
+
+def checked_tokenizer(cfg: JobConfig, model_vocab_size: int):
+    """The tokenizer of `model.tokenizer_path` (the default BPE sized to the model), refused when it has more tokens
+    than the model's embedding (token ids past the table would fail in the first step, or index another row)."""
+    from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
+
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path, default_cache_dir(), model_vocab_size)
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(f"model.tokenizer_path: the tokenizer has {tokenizer.vocab_size} tokens but "
+                          f"{cfg.model.name}/{cfg.model.flavor} has vocab_size {model_vocab_size}")
+    return tokenizer
+
+
+def check_inputs(cfg: JobConfig) -> None:
+    """The tokenizer and the data sources, opened as the ranks open them (torchtitan/train.py, validate.py): a
+    missing file, a missing text column, an unknown dataset or a tokenizer larger than the model fails here.
+    Hub datasets and mixtures are left to the ranks (opening a hub dataset may download it)."""
+    from torchtitan.data.datasets import DATASETS, build_document_source
+    from torchtitan.data.hf_sources import is_local_path
+    from torchtitan.data.tokenizer import default_cache_dir
+    from torchtitan.models.registry import get_model_spec
+
+    checked_tokenizer(cfg, get_model_spec(cfg.model.name).flavors[cfg.model.flavor].vocab_size)
+    sections = [] if cfg.training.dataset_mixture else [("training", cfg.training)]
+    if cfg.validation.enable:
+        sections.append(("validation", cfg.validation))
+    for prefix, section in sections:
+        path, name = section.dataset_path, section.dataset
+        if (path and not is_local_path(path, prefix)) or (not path and DATASETS.get(name) is not None):
+            continue
+        build_document_source(dataset=name, dataset_path=path, text_column=section.dataset_text_column,
+                              split=section.dataset_split, streaming=section.dataset_streaming,
+                              cache_dir=str(default_cache_dir() / "datasets"), key_prefix=prefix)

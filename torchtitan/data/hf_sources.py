@@ -162,6 +162,12 @@ def _plain_suffix(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
+def is_local_path(dataset_path: str, p: str) -> bool:
+    """Whether `<p>.dataset_path` names data on this machine (False: a hub name); raises as _resolve_local does
+    for a path that is neither."""
+    return _resolve_local(dataset_path, p) is not None
+
+
 def _resolve_local(dataset_path: str, p: str) -> list[Path] | None:
     """The data files of a file, folder or glob; None if nothing local matches but it looks like a hub name."""
     expanded = os.path.expanduser(dataset_path)
