@@ -106,8 +106,12 @@ def failure_line(failures: Mapping[int, Any]) -> tuple[str, int]:
         return message if isinstance(message, str) and os.path.isfile(failure.error_file) else None
 
     def order(rank: int) -> tuple:
+        # The error file's write time, not its whole-second timestamp: a rank that failed alone and the rank
+        # whose next collective then broke often record within the same second.
         failure = failures[rank]
-        return (recorded(failure) is None, failure.timestamp, rank)
+        if recorded(failure) is None:
+            return (True, failure.timestamp * 10**9, rank)
+        return (False, os.stat(failure.error_file).st_mtime_ns, rank)
 
     rank = min(failures, key=order)
     failure = failures[rank]

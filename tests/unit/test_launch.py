@@ -155,8 +155,11 @@ def test_failure_line_names_the_rank_that_recorded_its_error(tmp_path):
 
 
 def test_failure_line_takes_the_earliest_recorded_error_and_points_to_unexpected_tracebacks(tmp_path):
-    failures = {0: _failure(tmp_path, 0, 1, "RuntimeError: gloo: connection reset\nmore", timestamp=200),
-                1: _failure(tmp_path, 1, 1, "RuntimeError: shape mismatch in layers.3\nmore", timestamp=150)}
+    # Both recorded within the same second (torchrun's timestamp): the file written first wins, whatever the rank.
+    failures = {1: _failure(tmp_path, 1, 1, "RuntimeError: shape mismatch in layers.3\nmore"),
+                0: _failure(tmp_path, 0, 1, "RuntimeError: gloo: connection reset\nmore")}
+    os.utime(tmp_path / "error1.json", ns=(10**18, 10**18))
+    os.utime(tmp_path / "error0.json", ns=(10**18 + 1000, 10**18 + 1000))
     line, code = failure_line(failures)
     assert line == (f"[launch] rank 1 failed (exit code 1): RuntimeError: shape mismatch in layers.3 (traceback in "
                     f"{tmp_path / 'error1.json'})") and code == 1
