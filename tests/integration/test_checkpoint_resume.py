@@ -188,6 +188,22 @@ def test_extending_a_finished_run_continues_exactly(pools, tmp_path):
     assert "training.steps=5" in error, error
 
 
+def test_extending_a_decaying_run_follows_the_new_schedule(pools, tmp_path):
+    """A 3-step run (warmup 2, no room left to decay) extended to 6 steps with cosine decay: steps 4-6 run at the
+    LR a straight 6-step run has there, from the first resumed step (the schedule is the running config's,
+    evaluated at the step reached). Before, step 4 ran at the old schedule's LR left in the optimizer's state."""
+    args = (*dp(4, 2), "--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.decay_type", "cosine",
+            "--lr_scheduler.min_lr_factor", "0.1")
+    straight = train_layout(pools, 2, (*args, "--training.steps", "6"), tmp_path / "straight")
+    run = tmp_path / "run"
+    train_layout(pools, 2, (*args, "--training.steps", "3"), run)
+    extended = train_layout(pools, 2, (*args, "--training.steps", "6"), run)
+    got = {m["step"]: m["lr"] for m in extended["metrics"]}
+    want = {m["step"]: m["lr"] for m in straight["metrics"]}
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-9), (got, want)
+    assert want[4] < want[3] and want[6] == pytest.approx(0.1 * want[3], rel=1e-9)  # it does decay, to the floor
+
+
 def test_async_save_with_hugging_face_export_loads_in_transformers(pools, tmp_path):
     """Regression: with async saves, the final Hugging Face export's collectives interleaved with the pending
     background save on the checkpoint group: two-rank runs hung or died with 'Connection reset by peer'."""

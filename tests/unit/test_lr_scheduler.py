@@ -221,3 +221,48 @@ def test_build_lr_scheduler_keeps_param_group_lrs_proportional():
         assert lrs[1] == pytest.approx(0.5 * lrs[0])
         opt.step()
         sched.step()
+
+
+# --------------------------------------------------------------------------- resuming under another schedule
+
+
+class _Optimizers:
+    def __init__(self, lr: float) -> None:
+        self.param = torch.nn.Parameter(torch.zeros(3))
+        self.optimizers = [torch.optim.AdamW([self.param], lr=lr)]
+
+    def step(self) -> None:
+        self.param.grad = torch.ones_like(self.param)
+        self.optimizers[0].step()
+
+
+def _run(opts: _Optimizers, sched, steps: int) -> list[float]:
+    seen = []
+    for _ in range(steps):
+        seen.append(opts.optimizers[0].param_groups[0]["lr"])
+        opts.step()
+        sched.step()
+    return seen
+
+
+@pytest.mark.parametrize(("new_total", "new_lr"), [(15, 1e-3), (15, 5e-4), (10, 1e-3)])
+def test_resume_follows_this_runs_schedule_from_the_first_resumed_step(new_total, new_lr):
+    """A finished 10-step run (warmup 2, cosine to 0.1) extended to 15 steps, or resumed with another peak LR:
+    steps 11.. use the new schedule's LR at their step, as a run started with the new settings would; the same
+    settings resume unchanged."""
+    from torchtitan.components.lr_scheduler import LRSchedulersContainer
+
+    cfg = LRScheduler(warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)
+    first = _Optimizers(1e-3)
+    first_sched = LRSchedulersContainer(first, cfg, 10)
+    _run(first, first_sched, 10)
+    optimizer_state, schedule_state = first.optimizers[0].state_dict(), first_sched.state_dict()
+
+    resumed = _Optimizers(new_lr)
+    sched = LRSchedulersContainer(resumed, cfg, new_total)
+    resumed.optimizers[0].load_state_dict(optimizer_state)  # as the checkpoint loads them: optimizer first
+    sched.load_state_dict(schedule_state)
+    got = _run(resumed, sched, new_total - 10) if new_total > 10 else [resumed.optimizers[0].param_groups[0]["lr"]]
+    expected = [new_lr * f for f in factors(new_total, warmup_steps=2, decay_type="cosine", min_lr_factor=0.1)]
+    assert got == pytest.approx(expected[10:] if new_total > 10 else [new_lr * 0.1], rel=1e-12)
+    assert sched.state_dict()["base_lrs"] == [new_lr]

@@ -69,10 +69,18 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
 
 class LRSchedulersContainer:
     """One scheduler per optimizer of an OptimizersContainer, stepped together. They agree at every step, so the
-    checkpoint holds one state (the first's) and loads it into all: it does not depend on the number of parts."""
+    checkpoint holds one state (the first's) and loads it into all: it does not depend on the number of parts.
+
+    The schedule is a function of this run's config evaluated at the step reached: loading a checkpoint takes
+    only the step count from it. A run extended with a larger training.steps (or another peak LR, warmup or
+    decay) therefore continues exactly as a run started with these settings would at that step, from the first
+    resumed step on (docs/checkpointing.md, "Resume": extending a run)."""
 
     def __init__(self, optimizers, cfg: LRSchedulerConfig, total_steps: int):
         self.schedulers = [build_lr_scheduler(opt, cfg, total_steps) for opt in optimizers.optimizers]
+        self.total_steps = total_steps
+        # this run's peak LRs: loading the optimizer's state brings back the checkpointed run's
+        self._base_lrs = [list(s.base_lrs) for s in self.schedulers]
 
     def step(self) -> None:
         for scheduler in self.schedulers:
@@ -82,5 +90,22 @@ class LRSchedulersContainer:
         return self.schedulers[0].state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        for scheduler in self.schedulers:
+        """Take the step count from `state` and set every group's LR from this run's schedule at that step (the
+        optimizer's state, loaded before, holds the LR the checkpointed run's schedule gave it)."""
+        for scheduler, base_lrs in zip(self.schedulers, self._base_lrs, strict=True):
             scheduler.load_state_dict(copy.deepcopy(state))
+            scheduler.base_lrs = list(base_lrs)
+            groups = scheduler.optimizer.param_groups
+            saved = [group["lr"] for group in groups]
+            for group, base, factor in zip(groups, base_lrs, scheduler.lr_lambdas, strict=True):
+                group["initial_lr"] = base
+                group["lr"] = base * factor(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in groups]
+            changed = [(old, group["lr"]) for old, group in zip(saved, groups, strict=True)
+                       if not math.isclose(old, group["lr"], rel_tol=1e-9, abs_tol=0.0)]
+            if changed and scheduler is self.schedulers[0]:
+                old, new = changed[0]
+                logger.info(f"lr_scheduler: the schedule differs from the checkpointed run's (training.steps, "
+                            f"lr_scheduler.* or optimizer.lr changed): step {scheduler.last_epoch + 1} runs at lr "
+                            f"{new:.4g} instead of {old:.4g}, following this run's schedule over "
+                            f"{self.total_steps} steps")
