@@ -70,7 +70,6 @@ launch that fails is reported as failed, and the script exits 1 after the table.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import statistics
@@ -262,7 +261,9 @@ def pipeline_main(a, common: list[str]) -> None:
             "pp_steps": a.pp_steps, "pp_warmup": a.pp_warmup, "seq_len": a.seq_len, "config": a.config,
             "overrides": a.overrides, "split": a.pp_split}
     throughput = [s for s in a.throughput_schedules.split(",") if s]
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {_torch_version()}, pp {a.world}, "
+    from benchmark_trainer import torch_version  # scripts/ is on sys.path when a script there runs
+
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch_version()}, pp {a.world}, "
           f"seq {a.seq_len}, overrides {' '.join(a.overrides) or '-'}, stages {a.pp_split or 'default split'}",
           flush=True)
     rows: dict[tuple[str, int], dict] = {}
@@ -370,7 +371,9 @@ def context_main(a) -> None:
     cps = _int_list(a.cp_degrees, "--cp-degrees")
     if a.context_steps <= a.context_warmup:
         raise SystemExit(f"--context-steps {a.context_steps} leaves no step after --context-warmup {a.context_warmup}")
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {_torch_version()}, world {a.world}, "
+    from benchmark_trainer import torch_version  # scripts/ is on sys.path when a script there runs
+
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch_version()}, world {a.world}, "
           f"config {a.config}, overrides {' '.join(a.overrides) or '-'}", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -415,17 +418,6 @@ def print_context_table(a, rows: list[dict]) -> None:
         mem_ratio = f"{r['mem'] / b['mem']:.2f}" if b else "-"
         tps_ratio = f"{r['tps'] / b['tps']:.2f}" if b else "-"
         print(head + f"{r['dp']:>3d} {r['tps']:12.1f} {r['mem']:12.3f} {mem_ratio:>10s} {tps_ratio:>15s}")
-
-
-def _torch_version() -> str:
-    """From torch's package metadata: the driver only launches jobs, and importing torch here would cost it ~3 s
-    of CPU (on 2 cores) that the launched ranks then wait for."""
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:  # torch from a source tree on sys.path
-        import torch
-
-        return torch.__version__
 
 
 def main() -> None:

@@ -285,7 +285,7 @@ def main() -> None:
         parser.error("need 1 <= --warmup < --steps")
     opts = {"rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "compile": a.compile, "profile": a.profile,
             "config": a.config, "overrides": a.overrides}
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {_torch_version()}, "
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch_version()}, "
           f"compile {'on' if a.compile else 'off'}, overrides {' '.join(a.overrides) or '-'}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for nproc in (int(n) for n in a.nproc.split(",")):
@@ -307,7 +307,7 @@ def main() -> None:
             print(f"  trainer / bare = {trainer / bare:.3f}", flush=True)
 
 
-def _torch_version() -> str:
+def torch_version() -> str:
     """From torch's package metadata: the driver only launches jobs, and importing torch here would cost it ~3 s
     of CPU (on 2 cores) that the launched ranks then wait for."""
     try:
