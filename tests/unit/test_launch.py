@@ -73,6 +73,20 @@ def test_world_size_from_the_launch_variables(env, gpus, world):
     assert world_size(env, gpus) == world
 
 
+@pytest.fixture
+def torchrun_calls(monkeypatch) -> list[list[str]]:
+    """main() as run_train.sh runs it (repository root, no launcher variables), with torchrun replaced by a
+    recorder of its command lines."""
+    import torch.distributed.run
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(torch.distributed.run, "main", calls.append)
+    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(REPO)
+    return calls
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["--training.seq_len", "-4"], {}, "training.seq_len: must be > 0, got -4"),
     (["--training.stepz", "3"], {}, "unknown config key 'training.stepz'"),
@@ -81,21 +95,13 @@ def test_world_size_from_the_launch_variables(env, gpus, world):
      "but the world size is 6"),
     (["--model.flavor", "nope"], {"CONFIG_FILE": "train_configs/llama3_8b.toml"}, "model.flavor"),
 ])
-def test_a_bad_config_is_one_line_and_exit_2_before_torchrun(args, env, message, monkeypatch, capsys):
-    import torch.distributed.run
-
-    def torchrun(_):
-        raise AssertionError("torchrun started")
-
-    monkeypatch.setattr(torch.distributed.run, "main", torchrun)
-    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
-        monkeypatch.delenv(key, raising=False)
+def test_a_bad_config_is_one_line_and_exit_2_before_torchrun(args, env, message, torchrun_calls, monkeypatch,
+                                                             capsys):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as exit_info:
         main(args)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 2 and not torchrun_calls
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("config error:") and message in err, err
 
@@ -105,34 +111,21 @@ def test_a_bad_config_is_one_line_and_exit_2_before_torchrun(args, env, message,
     (["--training.dataset_path", "/nonexistent/train.jsonl"], "training.dataset_path: no such file or directory"),
     (["--validation.enable", "--validation.dataset", "nope"], "validation.dataset: unknown dataset 'nope'"),
 ])
-def test_a_missing_tokenizer_or_data_is_one_line_and_exit_2_before_torchrun(args, message, monkeypatch, capsys):
-    import torch.distributed.run
-
-    seen = []
-    monkeypatch.setattr(torch.distributed.run, "main", seen.append)
-    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(REPO)
+def test_a_missing_tokenizer_or_data_is_one_line_and_exit_2_before_torchrun(args, message, torchrun_calls, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
-    assert exit_info.value.code == 2 and not seen
+    assert exit_info.value.code == 2 and not torchrun_calls
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     # A memory estimate needs neither: the launch goes on to torchrun, whose ranks estimate.
     main([*args, "--memory_estimation.enable"])
-    assert len(seen) == 1
+    assert len(torchrun_calls) == 1
 
 
-def test_a_valid_config_reaches_torchrun_unchanged(monkeypatch):
-    import torch.distributed.run
-
-    seen = []
-    monkeypatch.setattr(torch.distributed.run, "main", seen.append)
-    for key in ("NGPU", "CONFIG_FILE", "TORCHRUN_ARGS"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(REPO)
+def test_a_valid_config_reaches_torchrun_unchanged(torchrun_calls):
     main(["--training.steps", "3"])
-    assert seen and seen[0][-4:] == ["--job.config_file", DEFAULT_CONFIG_FILE, "--training.steps", "3"]
+    assert torchrun_calls
+    assert torchrun_calls[0][-4:] == ["--job.config_file", DEFAULT_CONFIG_FILE, "--training.steps", "3"]
 
 
 def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None, timestamp: int = 100):
