@@ -107,10 +107,13 @@ def test_loss_compare_script(tmp_path):
     a.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
     b.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.6}\n')
     script = str(REPO / "scripts" / "loss_compare.py")
-    same = subprocess.run([sys.executable, script, str(a), str(a)], capture_output=True, text=True)
-    differ = subprocess.run([sys.executable, script, str(a), str(b)], capture_output=True, text=True)
+    same = subprocess.run([sys.executable, script, str(a), str(a), "--rtol", "1e-5"], capture_output=True, text=True)
+    differ = subprocess.run([sys.executable, script, str(a), str(b), "--rtol", "1e-5"], capture_output=True, text=True)
     assert same.returncode == 0, same.stdout + same.stderr
     assert differ.returncode == 1 and "above rtol" in differ.stdout
+    assert differ.stderr == "over rtol: step 2: loss of b differs from a by +6.67e-02 (rtol 1e-05)\n"
+    shown = subprocess.run([sys.executable, script, str(a), str(b)], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stdout + shown.stderr  # differences alone do not fail without --rtol
     png = tmp_path / "curves.png"
     plotted = subprocess.run([sys.executable, script, str(a), str(b), "--rtol", "0.1", "--plot", str(png)],
                              capture_output=True, text=True)
