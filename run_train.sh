@@ -11,8 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 
-for _arg in "$@"; do  # --help needs no processes: print every config key and stop
-    if [ "$_arg" = "--help" ] || [ "$_arg" = "-h" ]; then exec "$PYTHON" -m torchtitan.train --help; fi
+for _arg in "$@"; do  # --help needs no processes: every config key, with the values CONFIG_FILE and the overrides set
+    if [ "$_arg" = "--help" ] || [ "$_arg" = "-h" ]; then
+        exec "$PYTHON" -m torchtitan.train --job.config_file "${CONFIG_FILE:-train_configs/debug_model.toml}" "$@"
+    fi
 done
 
 # One interpreter from here on: torchtitan/launch.py picks NGPU, the config file and OMP_NUM_THREADS, then runs

@@ -26,12 +26,14 @@ Generated from `torchtitan/config/job_config.py` by `python scripts/gen_config_d
 A run's configuration is the dataclass defaults, overridden by a TOML file (`--job.config_file`, which
 `run_train.sh` sets from `CONFIG_FILE` unless the command line has its own), overridden by `--section.key value`
 command-line arguments. A key given twice on the command line takes the last value.
-`./run_train.sh --help` prints the same list. An unknown section or key, a value of the wrong type, an
+`./run_train.sh --help` prints the same list, with the values `CONFIG_FILE` and the overrides set, the launcher's
+environment variables and the registered models and flavors. An unknown section or key, a value of the wrong type, an
 invalid value or degrees that do not multiply to the world size stop the run with one line naming the key and
 file (`config error: ...`, exit code 2): `run_train.sh` checks the config once, for NGPU x nodes processes,
 before torchrun starts any rank (an elastic node range leaves the degrees to the ranks, which check again before
 any process group is created).
-The resolved configuration is printed at start and saved as `job_config.json` in `job.dump_folder`: every
+The resolved configuration is saved as `job_config.json` in `job.dump_folder` (and printed at start with
+`--job.print_config true`; the start-up log states the applied layout in a few lines instead): every
 value left to be derived (-1: `data_parallel_shard_degree`, `global_batch_size`, the validation batch and
 sequence length) appears as the number the run used (`torchtitan/config/resolve.py` derives them, once).
 
@@ -42,7 +44,6 @@ Key names follow torchtitan v0.2.2's TOML schema where the concept is the same. 
 - `seed` and `deterministic` live in `[debug]` as in v0.2.2; `training.seed` / `training.deterministic`
   are accepted as aliases. An alias is the same key: the command line wins over the TOML whichever spelling
   each uses, and two spellings in one source (both in the TOML, or both on the command line) must agree.
-- `activation_checkpoint.mode` defaults to `none` until activation checkpointing lands.
 - Options marked "not available yet" are parsed (so existing files load) but enabling them is an error.
 """
 

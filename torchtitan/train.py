@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.components import startup
 from torchtitan.components.checkpoint import CheckpointManager, TrainState
-from torchtitan.components.checkpoint_io import one_line
+from torchtitan.components.checkpoint_io import CheckpointError, one_line
 from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsLogger
@@ -55,6 +56,7 @@ class Trainer:
         """`cfg` and `resolved` come from load_config, `device` and the default process group from
         init_distributed (run() below); the parity tests build several Trainers, one layout after another, inside
         one persistent group of processes."""
+        self.started_at = time.monotonic()  # the console's elapsed time (components/metrics.py's clock)
         parallel_dims, grad_accum_steps = resolved.parallel_dims, resolved.grad_accum_steps
         self.cfg, self.parallel_dims, self.grad_accum_steps = cfg, parallel_dims, grad_accum_steps
         self.rank = dist_utils.env_world()[0]
@@ -83,6 +85,7 @@ class Trainer:
         loader_args = dict(tokenizer=tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
                            dp_rank=dp_mesh.get_local_rank(), dp_degree=dp_mesh.size(), num_workers=t.num_workers,
                            document_masking=cfg.model.attn_mask_type == "block_causal")
+        source = None
         if t.dataset_mixture:  # several weighted sources: docs/data.md, "Dataset mixtures"
             self.dataloader = build_mixture_dataloader(entries=t.dataset_mixture, source_args=source_args,
                                                        **loader_args)
@@ -144,16 +147,6 @@ class Trainer:
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.memory = device_tools.MemoryMonitor(self.device.type)
         self.peak_flops = device_tools.mfu_peak_flops(self.device.type, param_dtype, tf32=self.tf32)
-        self.metrics = MetricsLogger(
-            dump_folder=self.dump_folder,
-            rank=self.rank,
-            total_steps=cfg.training.steps,
-            enable_tensorboard=cfg.metrics.enable_tensorboard,
-            save_tb_folder=cfg.metrics.save_tb_folder,
-            enable_wandb=cfg.metrics.enable_wandb,
-            save_for_all_ranks=cfg.metrics.save_for_all_ranks,
-            run_config=to_dict(cfg),
-        )
         # Resume (or initial weights) last: everything a checkpoint restores must exist first.
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -165,26 +158,28 @@ class Trainer:
             self.checkpointer.load()
             self.checkpointer.check_continuation(cfg.training.steps)
         self.first_step = self.train_state.step + 1
+        # After the checkpoint: whether this run resumes decides if metrics.jsonl is continued or started anew.
+        self.metrics = MetricsLogger(
+            dump_folder=self.dump_folder,
+            rank=self.rank,
+            total_steps=cfg.training.steps,
+            enable_tensorboard=cfg.metrics.enable_tensorboard,
+            save_tb_folder=cfg.metrics.save_tb_folder,
+            enable_wandb=cfg.metrics.enable_wandb,
+            save_for_all_ranks=cfg.metrics.save_for_all_ranks,
+            run_config=to_dict(cfg),
+            resumed_after=self.train_state.step,
+            started_at=self.started_at,
+        )
         self.stop_signal = PreemptionFlag(cfg.checkpoint.save_on_signal if cfg.checkpoint.enable else "none",
                                           grace_s=cfg.comm.train_timeout_seconds)
         self.guard = StepGuard(cfg.training.on_nonfinite, self.model_parts, self.stop_signal, self.device,
                                self.train_state, param_order)
-        logger.info(
-            f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
-            f"{self.flops_per_token / 1e9:.3f} GFLOPs/token; world {parallel_dims.world_size} "
-            f"(dp_replicate {parallel_dims.dp_replicate}, dp_shard {parallel_dims.dp_shard}, tp {parallel_dims.tp}, "
-            f"pp {parallel_dims.pp}{self._pipeline_summary()}), "
-            f"global batch {cfg.training.local_batch_size * parallel_dims.dp_degree * grad_accum_steps} "
-            f"sequences ({grad_accum_steps} accumulation steps), device {self.device}, params {param_dtype}"
-        )
-
-    def _pipeline_summary(self) -> str:
-        if self.pipeline is None:
-            return ""
-        plan = self.pipeline.plan
-        stages = ", ".join(f"{s}: {plan.module_fqns[s][0]}..{plan.module_fqns[s][-1]}" for s in self.pipeline.stage_ids)
-        return (f" {plan.schedule}, {plan.num_stages} stages, {plan.n_microbatches(self.cfg.training.local_batch_size)}"
-                f" micro-batches; this rank's stages {stages}")
+        logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
+                    f"{self.flops_per_token / 1e9:.3f} GFLOPs/token")
+        logger.info(startup.layout_line(parallel_dims, self.loss_parallel, self.pipeline, cfg.training.local_batch_size))
+        logger.info(startup.training_line(cfg, parallel_dims, grad_accum_steps, param_dtype, self.device))
+        logger.info(startup.data_line(cfg, source))
 
     def _save_config(self) -> None:
         if self.rank != 0:
@@ -192,6 +187,8 @@ class Trainer:
         text = json.dumps(to_dict(self.cfg), indent=2)
         if self.cfg.job.print_config:
             logger.info(f"{self.cfg.job.description}; resolved config:\n{text}")
+        else:
+            logger.info(self.cfg.job.description)
         if self.cfg.job.save_config_file:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             (self.dump_folder / self.cfg.job.save_config_file).write_text(text + "\n")
@@ -372,6 +369,10 @@ def run(cfg: JobConfig, resolved: Resolved) -> int:
         else:
             trainer.train()
         trainer.close()
+    except CheckpointError as e:  # a full disk, a failed write: the message names the folder and the cause
+        print(f"[rank{rank}] error: {e}", file=sys.stderr)
+        dist_utils.record_failure(e)
+        return 1
     except TrainingError as e:
         if e.__cause__ is not None:  # a step failed on an exception: its traceback is the evidence
             logger.error(f"rank {rank}: traceback of the failure", exc_info=e.__cause__)

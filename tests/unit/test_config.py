@@ -726,7 +726,7 @@ def test_help_exits_zero_and_lists_every_field_with_its_docstring(capsys):
             parse_args(["--training.steps", "3", flag])
         assert info.value.code in (0, None)
         out = capsys.readouterr().out
-        assert out.strip() == help_text().strip()
+        assert out.strip() == help_text(["--training.steps", "3"]).strip()
     text = help_text()
     for section, cls in section_classes().items():
         assert f"[{section}]" in text
@@ -741,6 +741,24 @@ def test_help_shows_defaults():
     text = help_text()
     assert "--training.steps (int, default 10000)" in text
     assert '--model.name (str, default "llama3")' in text
+
+
+def test_help_shows_what_the_config_file_and_overrides_set_the_launcher_variables_and_the_models(tmp_path):
+    toml = tmp_path / "big.toml"
+    toml.write_text('[model]\nflavor = "8B"\n[training]\nseq_len = 8192\n')
+    text = help_text(["--job.config_file", str(toml), "--training.steps", "7"])
+    assert f'--model.flavor (str, default "debugmodel", now "8B" from {toml})' in text
+    assert "--training.steps (int, default 10000, now 7 from command line)" in text
+    assert "--training.local_batch_size (int, default 8)" in text  # untouched keys show the default alone
+    for variable in ("CONFIG_FILE", "NGPU", "LOG_RANK", "TORCHRUN_ARGS"):
+        assert f"\n  {variable} " in text, variable
+    from torchtitan.models.registry import get_model_spec, model_names
+
+    assert {"llama3", "qwen3", "deepseek_v3"} <= set(model_names())
+    for name in model_names():
+        assert f"\n  {name}: {', '.join(get_model_spec(name).flavors)}\n" in text
+    # a file that does not load still gives the help, with the defaults and why
+    assert "(the values below are the defaults: " in help_text(["--job.config_file", str(tmp_path / "none.toml")])
 
 
 def test_help_even_with_invalid_other_arguments(capsys):

@@ -324,7 +324,7 @@ def test_save_for_all_ranks(tmp_path: Path, capture) -> None:
 def test_console_line(tmp_path: Path, capture, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([1000.0, 1000.0 + 39 * 0.5])
     monkeypatch.setattr(metrics_mod, "_now", lambda: next(clock))
-    ml = _make(tmp_path)
+    ml = _make(tmp_path, started_at=1000.0 - 72)  # the trainer started 72 s before step 1 was logged
     ml.log(1, {"loss": 6.0})
     ml.log(
         40,
@@ -341,15 +341,16 @@ def test_console_line(tmp_path: Path, capture, monkeypatch: pytest.MonkeyPatch) 
             "max_active_gib": 10.0,
             "num_alloc_retries": 0,
             "data_wait_pct": 1.23,
+            "tokens_seen": 4_915_200,
         },
     )
     ml.close()
     lines = _step_lines(capture)
-    assert lines[0] == "step   1/100  loss 6.0000"  # no ETA without a previous step
+    assert lines[0] == "step   1/100  loss 6.0000  elapsed 0:01:12"  # no time per step or ETA without a previous step
     # 0.5 s/step over the last interval, 60 steps left -> 30 s.
     assert lines[1] == (
         "step  40/100  loss 5.1234 (max 5.2000)  gnorm 1.23  lr 3.0e-04  tps 12,345"
-        "  tflops 45.1  mfu 40.2%  mem 12.3GiB(15%)  data 1.2%  eta 0:00:30"
+        "  tflops 45.1  mfu 40.2%  mem 12.3GiB(15%)  data 1.2%  tokens 4.92M  0.5s/step  elapsed 0:01:32  eta 0:00:30"
     )
 
 
@@ -364,11 +365,12 @@ def test_console_line_skips_missing_and_uses_cpu_memory(tmp_path: Path, capture)
             "rss_gib": 1.31,
             "max_rss_gib": 2.0,
             "num_ooms": 2,
+            "tflops": 0.0342,  # a CPU run: three significant digits, not 0.0
         },
     )
     ml.close()
     (line,) = _step_lines(capture)
-    assert line == "step 3/5  tps 10  mem 1.3GiB ooms 2"
+    assert line.startswith("step 3/5  tps 10  tflops 0.0342  mem 1.3GiB ooms 2  elapsed 0:00:0"), line
 
 
 # The allocator and FPU settings under test are process-wide: each case runs in a child of the test fork server
@@ -417,3 +419,23 @@ def test_flush_cpu_denormals_zeroes_subnormals() -> None:
 
     out = in_child(_denormals_flushed)
     assert out in ((True, True, True), (False, True, False)), out  # False: a CPU without FTZ/DAZ
+
+
+def test_fresh_run_moves_an_earlier_runs_file_aside_and_a_resumed_run_appends(tmp_path: Path, capture):
+    caplog = capture
+    with _make(tmp_path) as ml:
+        ml.log(1, {"loss": 3.0})
+        ml.log(2, {"loss": 2.0})
+    with _make(tmp_path, resumed_after=2) as ml:  # resumed from step 2's checkpoint: the same run goes on
+        ml.log(3, {"loss": 1.5})
+    run = tmp_path / "run"
+    assert [r["step"] for r in _read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert any("appending to" in r.getMessage() for r in caplog.records)
+    for _ in range(2):  # two fresh runs within the same second keep both earlier files
+        with _make(tmp_path) as ml:
+            ml.log(1, {"loss": 9.0})
+    assert _read_jsonl(run / "metrics.jsonl") == [{"step": 1, "loss": 9.0}]
+    earlier = sorted(p.name for p in run.glob("metrics.*.jsonl"))
+    assert len(earlier) == 2, earlier
+    assert sorted(len(_read_jsonl(run / name)) for name in earlier) == [1, 3]
+    assert any("moved it to" in r.getMessage() for r in caplog.records)

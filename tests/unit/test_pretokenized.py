@@ -218,6 +218,14 @@ def test_through_the_config_path(tmp_path: Path, bpe, monkeypatch) -> None:
     raw = _raw_loader(raw_source, bpe, 32, 2, 1, 2, document_masking=True)
     pre = _pre_loader(pre_source, bpe, 32, 2, 1, 2, document_masking=True)
     assert all(_same_batch(x, y) for _, x, y in zip(range(12), raw, pre, strict=False))
+    # the start-up log names the source the trainer reads (components/startup.py)
+    from torchtitan.components.startup import data_line
+    from torchtitan.config.manager import parse_args
+
+    assert data_line(parse_args(["--training.dataset_path", str(tmp_path / "tok")]), pre_source) == \
+        f"data: pre-tokenized shards in {tmp_path / 'tok'}"
+    assert data_line(parse_args(["--training.dataset_path", str(data)]), raw_source).startswith(
+        f"data: {data} (column 'text', split 'train'")
 
 
 def test_one_line_errors(tmp_path: Path, bpe) -> None:

@@ -28,8 +28,11 @@ Only keys the trainer passes appear; a key passed as None is written as ``null``
 keys are passed through unchanged, so new metrics need no change here. Memory keys may be
 passed bare (as ``MemoryMonitor.snapshot()`` returns them) or already prefixed. Non-finite
 floats are written as ``NaN``/``Infinity`` (Python's json extension, which ``json.loads``
-and pandas read back): a diverged loss must stay visible. The file is appended to, so a
-resumed run continues it and may repeat steps after the checkpoint.
+and pandas read back): a diverged loss must stay visible. A resumed run appends to the file
+(so it may repeat the steps an interrupted run logged after its last checkpoint; the later
+line of a step is the resumed run's). A run that starts from step 0 never appends to another
+run's file: an existing non-empty ``metrics.jsonl`` is first renamed to
+``metrics.<its last write time>.jsonl``, and the log says so.
 """
 
 from __future__ import annotations
@@ -90,6 +93,36 @@ def _fmt_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+def _sig3(x: float) -> str:
+    """Three significant digits without an exponent: 45.1, 0.0342 (a CPU run's TFLOP/s), 1,234."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _count(n: float) -> str:
+    """Tokens seen: 812, 12.3K, 4.50M, 1.20B, 15.0T."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{_sig3(n / size)}{unit}"
+    return f"{n:.0f}"
+
+
+def _keep_apart_from_earlier_run(path: Path, resumed_after: int) -> None:
+    """A resumed run continues `path`; a fresh run (resumed_after 0) renames another run's file out of the way, so
+    one file never holds two runs' step 1 (readers such as scripts/loss_compare.py take a file as one run)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    if resumed_after:
+        logger.info(f"resumed after step {resumed_after}: appending to {path}")
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    moved = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    n = 1
+    while moved.exists():  # two earlier runs within one second
+        moved, n = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}"), n + 1
+    path.rename(moved)
+    logger.info(f"{path} held an earlier run's metrics and this run starts at step 1: moved it to {moved.name}")
+
+
 class MetricsLogger:
     """Writes per-step metrics; every backend is optional except jsonl and console.
 
@@ -110,6 +143,8 @@ class MetricsLogger:
         enable_wandb: bool = False,
         save_for_all_ranks: bool = False,
         run_config: dict[str, Any] | None = None,
+        resumed_after: int = 0,
+        started_at: float | None = None,
     ) -> None:
         self.rank = rank
         self.total_steps = total_steps
@@ -123,6 +158,9 @@ class MetricsLogger:
         self._closed = False
         self._last_step: int | None = None
         self._last_time: float | None = None
+        self._per_step: float | None = None  # seconds per step over the last logging interval
+        # The console's elapsed time counts from the trainer's start (set-up included), by the same clock as _now.
+        self._start = _now() if started_at is None else started_at
 
         if not self._writes_files:
             return
@@ -130,6 +168,7 @@ class MetricsLogger:
         out_dir = self.dump_folder / f"rank_{rank}" if save_for_all_ranks else self.dump_folder
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = out_dir / "metrics.jsonl"
+        _keep_apart_from_earlier_run(self.jsonl_path, resumed_after)
         # Held open for the whole run (closed in close()), flushed line by line;
         # append mode so a resumed run keeps its history.
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
@@ -205,6 +244,7 @@ class MetricsLogger:
         if self._last_step is not None and self._last_time is not None and step > self._last_step:
             per_step = (now - self._last_time) / (step - self._last_step)
             eta = max(self.total_steps - step, 0) * per_step
+            self._per_step = per_step
         self._last_step, self._last_time = step, now
         return eta
 
@@ -235,7 +275,7 @@ class MetricsLogger:
         if (tps := get("tps")) is not None:
             parts.append(f"tps {tps:,.0f}")
         if (tf := get("tflops")) is not None:
-            parts.append(f"tflops {tf:.1f}")
+            parts.append(f"tflops {_sig3(tf)}")
         if (mfu := get("mfu")) is not None:
             parts.append(f"mfu {mfu:.1f}%")
         if (mem := self._format_memory(get)) is not None:
@@ -250,6 +290,12 @@ class MetricsLogger:
             parts.append(f"moe aux {aux:.4f}")
         if (z := get("moe_z_loss")) is not None:
             parts.append(f"moe z {z:.4f}")
+        if (tokens := get("tokens_seen")) is not None:
+            parts.append(f"tokens {_count(tokens)}")
+        if eta is not None and self._per_step is not None:
+            parts.append(f"{_sig3(self._per_step)}s/step")
+        if self._last_time is not None:  # the time of this log call (_update_eta ran first)
+            parts.append(f"elapsed {_fmt_eta(max(self._last_time - self._start, 0.0))}")
         if eta is not None and math.isfinite(eta):
             parts.append(f"eta {_fmt_eta(eta)}")
         return "  ".join(parts)

@@ -264,7 +264,7 @@ def _read(argv: list[str] | None) -> tuple[JobConfig, dict[str, str]]:
     """The config the sources spell out, unchecked, and key -> file for the values that came from the TOML file."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        print(help_text([a for a in argv if a not in ("--help", "-h")]))
         raise SystemExit(0)
     overrides = _read_cli(argv)
     # Taken after folding, so the last --job.config_file wins as for every key; it is also the value the overrides
@@ -290,21 +290,49 @@ def to_json(cfg: JobConfig) -> str:
     return json.dumps(to_dict(cfg), indent=2)
 
 
-def help_text() -> str:
+# The launcher's environment variables (run_train.sh, torchtitan/launch.py), listed by --help.
+LAUNCHER_VARIABLES = (
+    ("CONFIG_FILE", "TOML file (default train_configs/debug_model.toml); a --job.config_file argument replaces it"),
+    ("NGPU", "processes per node (default: the GPU count, or 2 CPU processes where there is no GPU)"),
+    ("LOG_RANK", "ranks whose output is shown, comma-separated (default 0)"),
+    ("TORCHRUN_ARGS", "replaces the single-node rendezvous arguments, e.g. \"--nnodes 4 --rdzv_backend c10d ...\""),
+)
+
+
+def help_text(argv: list[str] | None = None) -> str:
+    """Every key with its type, default and docstring; with `argv` (the config file and overrides of the command
+    that asked for help) each value they set is shown next to the default, with where it came from."""
     lines = [
-        "usage: run_train.sh [--section.key value ...]",
+        "usage: [CONFIG_FILE=file.toml] [NGPU=n] run_train.sh [--section.key value ...]",
         "",
         "Defaults < TOML file (--job.config_file) < command-line overrides; a key given twice on the command line",
-        "takes the last value. Sections and keys:",
+        "takes the last value.",
     ]
+    cfg, files = JobConfig(), {}
+    try:
+        cfg, files = _read(argv or [])
+    except (ConfigError, ValueError, OSError) as e:
+        lines += ["", f"(the values below are the defaults: {e})"]
+    if cfg.job.config_file:
+        lines += ["", f"Values set by {cfg.job.config_file} or the command line are shown as 'now'."]
+    lines += ["", "Launcher environment variables:"]
+    lines += [f"  {name:<14}{text}" for name, text in LAUNCHER_VARIABLES]
+    from torchtitan.models.registry import get_model_spec, model_names
+
+    lines += ["", "Models (--model.name) and their flavors (--model.flavor):"]
+    lines += [f"  {name}: {', '.join(get_model_spec(name).flavors)}" for name in model_names()]
+    lines.append("\nSections and keys:")
     for section, cls in section_classes().items():
         docs = field_docs(cls)
         lines.append(f"\n[{section}]")
-        defaults = cls()
+        defaults, current = cls(), getattr(cfg, section)
         for sub in dataclasses.fields(cls):
             tp = _type_name(typing.get_type_hints(cls)[sub.name])
             default = json.dumps(getattr(defaults, sub.name))
-            lines.append(f"  --{section}.{sub.name} ({tp}, default {default})")
+            now = json.dumps(getattr(current, sub.name))
+            origin = files.get(f"{section}.{sub.name}", "command line")
+            set_here = f", now {now} from {origin}" if now != default else ""
+            lines.append(f"  --{section}.{sub.name} ({tp}, default {default}{set_here})")
             lines.append(f"      {docs.get(sub.name, '')}")
             aliases = [f"--{a}.{b}" for (a, b), target in ALIASES.items() if target == (section, sub.name)]
             if aliases:

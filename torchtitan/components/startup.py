@@ -1,0 +1,56 @@
+"""The few lines a run logs before step 1: the model, the layout actually applied, the training setup and the data.
+
+Everything here is derived from the built objects (the mesh degrees, the pipeline plan, the data source), not
+from the config alone: with expert parallel 2, the layout line says so. The whole resolved config is in
+`<dump_folder>/job_config.json` (job.save_config_file) and printed only with `--job.print_config true`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+
+def layout_line(dims: ParallelDims, loss_parallel: bool, pipeline: Any = None, local_batch_size: int = 1) -> str:
+    """`world 8 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 x pp 2; ep 2 x etp 1; ...`: every mesh dimension, then
+    the expert mesh (MoE only sees it), loss parallel and the pipeline's schedule and this rank's stages."""
+    degrees = " x ".join(f"{name} {getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+    line = f"layout: world {dims.world_size} = {degrees}; experts ep {dims.ep} x etp {dims.etp}"
+    if dims.tp > 1:
+        line += f"; loss parallel {'on' if loss_parallel else 'off'}"
+    if pipeline is not None:
+        plan = pipeline.plan
+        stages = ", ".join(f"{s}: {plan.module_fqns[s][0]}..{plan.module_fqns[s][-1]}" for s in pipeline.stage_ids)
+        line += (f"; pipeline {plan.schedule}, {plan.num_stages} stages, {plan.n_microbatches(local_batch_size)} "
+                 f"micro-batches, this rank's stages {stages}")
+    return line
+
+
+def training_line(cfg: JobConfig, dims: ParallelDims, grad_accum_steps: int, param_dtype: str, device: Any) -> str:
+    """Batch arithmetic, activation checkpointing, compile and dtypes as this run applies them."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    global_batch = t.local_batch_size * dims.dp_degree * grad_accum_steps
+    ac_text = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
+    compiled = ", ".join(cfg.compile.components) if cfg.compile.enable else "off"
+    return (f"training: global batch {global_batch} sequences of {t.seq_len} tokens = local {t.local_batch_size} x "
+            f"dp {dims.dp_degree} x {grad_accum_steps} accumulation steps; activation checkpointing {ac_text}; "
+            f"compile {compiled}; params {param_dtype}, reduce {t.mixed_precision_reduce}; device {device}")
+
+
+def data_line(cfg: JobConfig, source: Any) -> str:
+    """Where training batches come from, in every case: the registry's corpus, a local or hub dataset, token shards
+    written by scripts/pretokenize.py, or a mixture."""
+    t = cfg.training
+    if t.dataset_mixture:
+        return f"data: mixture of {len(t.dataset_mixture)} sources: {', '.join(t.dataset_mixture)}"
+    from torchtitan.data.pretokenized import PretokenizedSource
+
+    if isinstance(source, PretokenizedSource):
+        return f"data: pre-tokenized shards in {source.name}"
+    documents = getattr(source, "num_documents", None)
+    count = f", {documents:,} documents" if documents else ""
+    if t.dataset_path:
+        return f"data: {t.dataset_path} (column '{t.dataset_text_column}', split '{t.dataset_split}'{count})"
+    return f"data: registry dataset '{t.dataset}'{count}"
