@@ -86,7 +86,7 @@ def test_two_nodes_train_like_one_node(tmp_path, tt_cache_dir):
         assert code == 0, f"{name} exited with {code}:\n{output[name][-4000:]}"
     # Each node's rank is in one 2-rank world (not a 1-rank job of its own).
     for name in ("node_a", "node_b"):
-        assert "world 2 (" in output[name], output[name][-4000:]
+        assert "layout: world 2 = " in output[name], output[name][-4000:]
 
     reference, multinode = RunResult(0, "", one_node).metrics(), RunResult(0, "", two_nodes).metrics()
     assert [m["step"] for m in reference] == [m["step"] for m in multinode] == list(range(1, STEPS + 1))
