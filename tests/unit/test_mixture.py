@@ -200,3 +200,19 @@ def test_one_line_errors(corpora) -> None:
     assert "the weight 'x' is not a number" in _config_error(["--training.dataset_mixture", "c4:1,python_stdlib:x"])
     validate.check_values(parse_args(["--training.dataset_mixture", f"c4:0.7,{paths[0]}:0.3"]))
     assert len(parse_mixture([f"{paths[0]}:1", "allenai/c4:en:2"])) == 2  # the weight follows the last ':'
+
+
+def test_a_source_reads_its_own_text_column(corpora, tmp_path: Path) -> None:
+    paths, cache = corpora
+    body = tmp_path / "code_body.jsonl"  # the code corpus with its text under "body"
+    body.write_text("".join(json.dumps({"body": json.loads(line)["text"], "text": 7}) + "\n"
+                            for line in Path(paths[1]).read_text().splitlines()))
+    own = _loader([f"{paths[0]}:0.5", f"{body}:0.5:column=body"], cache, 2)
+    same = _loader([f"{paths[0]}:0.5", f"{paths[1]}:0.5"], cache, 2)
+    for x, y in zip(_take(own, 6), _take(same, 6), strict=True):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    assert parse_mixture(["allenai/c4:en:2:column=body"]) == [("allenai/c4:en", 2, "body")]
+    for entries, match in ((["c4:1:colum=body"], r"unknown option 'colum='"),
+                           (["python_stdlib:1:column=body"], r"a registry dataset knows its text column")):
+        with pytest.raises(ValueError, match=r"^training.dataset_mixture: .*" + match):
+            parse_mixture(entries)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,21 +38,36 @@ from torchtitan.data.dataloader import (  # the single loader's parts, reused as
     build_dataloader,
 )
 from torchtitan.data.datasets import DATASETS, build_document_source
-from torchtitan.data.pretokenized import PretokenizedDataLoader
+from torchtitan.data.pretokenized import PretokenizedDataLoader, PretokenizedSource
 from torchtitan.tools.logging import logger
 
-__all__ = ["MAX_PERIOD", "MixtureDataLoader", "MixtureSchedule", "build_mixture_dataloader", "parse_mixture"]
+__all__ = ["MAX_PERIOD", "MixtureDataLoader", "MixtureSchedule", "MixtureSource", "build_mixture_dataloader",
+           "parse_mixture"]
 
 KEY = "training.dataset_mixture"
 # The tabulated period is P x sources ints; weights of up to 4 decimals (or small integers) stay far below this.
 MAX_PERIOD = 100_000
 
 
-def parse_mixture(entries: list[str]) -> list[tuple[str, Fraction]]:
-    """[(source, weight)] from "source:weight" entries; the weight is after the last ':' (hub names hold ':')."""
-    parsed: list[tuple[str, Fraction]] = []
+class MixtureSource(NamedTuple):
+    name: str
+    weight: Fraction
+    text_column: str | None  # None: training.dataset_text_column, shared by the sources without their own
+
+
+def parse_mixture(entries: list[str]) -> list[MixtureSource]:
+    """Sources of "source:weight[:column=NAME]" entries: the weight is the last ':' field that is not an option
+    (hub names hold ':'); `column=` sets that source's text column."""
+    parsed: list[MixtureSource] = []
     for entry in entries:
-        name, sep, text = entry.strip().rpartition(":")
+        fields = entry.strip().split(":")
+        options = {}
+        while len(fields) > 1 and "=" in fields[-1]:
+            key, _, value = fields.pop().partition("=")
+            if key.strip() != "column" or not value.strip():
+                raise ValueError(f"{KEY}: '{entry}': unknown option '{key.strip()}=' (the one option is column=NAME)")
+            options["column"] = value.strip()
+        name, sep, text = ":".join(fields).rpartition(":")
         name = name.strip()
         if not sep or not name:
             raise ValueError(f"{KEY}: '{entry}' is not source:weight (e.g. c4:0.7)")
@@ -62,12 +77,15 @@ def parse_mixture(entries: list[str]) -> list[tuple[str, Fraction]]:
             raise ValueError(f"{KEY}: '{entry}': the weight '{text}' is not a number (e.g. 0.7, 7 or 1/3)") from None
         if weight <= 0:
             raise ValueError(f"{KEY}: '{entry}': the weight must be > 0")
-        if name in (n for n, _ in parsed):
+        if name in (source.name for source in parsed):
             raise ValueError(f"{KEY}: source '{name}' is listed twice")
-        parsed.append((name, weight))
+        if "column" in options and name in DATASETS:
+            raise ValueError(f"{KEY}: '{entry}': a registry dataset knows its text column; column= applies to "
+                             "files and hub datasets")
+        parsed.append(MixtureSource(name, weight, options.get("column")))
     if not parsed:
         raise ValueError(f"{KEY}: no sources")
-    MixtureSchedule([w for _, w in parsed])  # a period too long is a config error too
+    MixtureSchedule([source.weight for source in parsed])  # a period too long is a config error too
     return parsed
 
 
@@ -254,21 +272,24 @@ def build_mixture_dataloader(
     """
     mixture = parse_mixture(entries)
     parts = []
-    for name, _ in mixture:
+    for name, _, column in mixture:
         if name not in DATASETS and not _is_local_or_hub(name):
             raise ValueError(f"{KEY}: unknown source '{name}': not a registry dataset ({', '.join(sorted(DATASETS))})"
                              f", an existing path, a glob or an owner/name hub dataset")
         try:
+            args = {**(source_args or {}), **({"text_column": column} if column else {})}
             source = build_document_source(dataset=name if name in DATASETS else "", key_prefix="training",
-                                           dataset_path="" if name in DATASETS else name, **(source_args or {}))
+                                           dataset_path="" if name in DATASETS else name, **args)
+            if column and isinstance(source, PretokenizedSource):
+                raise ValueError(f"column={column} does not apply to a pre-tokenized folder (it holds token ids)")
             # One window at a time from each source; build_dataloader checks it (its tokenizer, its epoch size).
             parts.append(build_dataloader(source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=1,
                                           dp_rank=0, dp_degree=1, num_workers=num_workers, infinite=True,
                                           document_masking=document_masking, block_chars=block_chars))
         except (ValueError, OSError) as e:  # OSError: a missing file (FileNotFoundError)
             raise ValueError(f"{KEY}: source '{name}': {e}") from None
-    schedule = MixtureSchedule([w for _, w in mixture])
-    loader = MixtureDataLoader(labels=_labels([n for n, _ in mixture]), parts=parts, schedule=schedule,
+    schedule = MixtureSchedule([source.weight for source in mixture])
+    loader = MixtureDataLoader(labels=_labels([source.name for source in mixture]), parts=parts, schedule=schedule,
                                local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
                                document_masking=document_masking)  # fmt: skip
     targets = ", ".join(f"{label} {share:.4g}" for label, share in zip(loader.labels, schedule.shares, strict=True))
