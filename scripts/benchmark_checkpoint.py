@@ -28,9 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_python import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
+
+import torch  # noqa: E402
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState  # noqa: E402
 from torchtitan.config.job_config import Checkpoint  # noqa: E402

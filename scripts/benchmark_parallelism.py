@@ -80,6 +80,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_python import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                       "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")

@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_python import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 WORKLOAD = ["--model.flavor", "debugmodel", "--training.local_batch_size", "8", "--training.seq_len", "512",
             "--training.mixed_precision_param", "float32", "--training.max_norm", "1.0",
             "--optimizer.name", "AdamW", "--activation_checkpoint.mode", "none"]

@@ -14,6 +14,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_python import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
 from torchtitan.config.manager import ALIASES, _type_name, field_docs, section_classes  # noqa: E402
 

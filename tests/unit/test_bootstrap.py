@@ -180,3 +180,22 @@ def test_an_interpreter_that_has_everything_is_used_without_installing(sandbox: 
 def test_the_real_check_accepts_a_real_interpreter_that_has_everything(sandbox: Sandbox) -> None:
     # The fake above parses the check; this runs bootstrap's actual find_spec command on this interpreter.
     assert sandbox.run(need_dev=True, python=sys.executable) == (sys.executable, [])
+
+
+@pytest.mark.parametrize("script", ["pretokenize.py", "convert_checkpoint.py"])
+def test_scripts_rerun_themselves_under_the_projects_python(script: str, tmp_path: Path) -> None:
+    # `python -S` sees no site-packages, like a system Python without torch: the script finds the project's
+    # interpreter through scripts/bootstrap.sh (this checkout's .venv, already set up) and runs again there.
+    proc = subprocess.run([sys.executable, "-S", str(REPO / "scripts" / script), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"usage: {script}"), proc.stdout[:500]
+
+
+def test_loss_compare_needs_only_the_standard_library(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    proc = subprocess.run([sys.executable, "-S", str(REPO / "scripts" / "loss_compare.py"), str(run), str(run)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "run#2 0.00e+00 (1 steps)" in proc.stdout, proc.stdout + proc.stderr
