@@ -1,7 +1,8 @@
 """Convert model weights between DCP checkpoints, Hugging Face safetensors folders and single .pt files.
 
     python scripts/convert_checkpoint.py dcp-to-hf <step folder> <out folder> --flavor debugmodel [--model llama3]
-                                                   [--dtype bfloat16]
+                                                   [--dtype float32] [--tokenizer PATH | --no-tokenizer]
+                                                   [--seq-len N]
     torchrun --nproc_per_node N scripts/convert_checkpoint.py dcp-to-hf ...   (each process holds 1/N of the model)
     python scripts/convert_checkpoint.py hf-to-dcp <hf folder> <out step folder> [--model qwen3 [--flavor 8B]]
     python scripts/convert_checkpoint.py dcp-to-pt <step folder> <out.pt>
@@ -12,6 +13,10 @@ without `--model` uses the model whose adapter reads config.json. Runs on one pr
 needed; `dcp-to-hf` and `hf-to-dcp` also under torchrun (gloo, CPU), where each rank reads and writes only its FSDP
 shard's rows, so no process holds the whole model. Only model weights are converted (never optimizer state). A DCP
 folder is read from its own metadata, so any layout it was saved with (FSDP, DDP, one process) and any dtype work.
+`dcp-to-hf` writes the same folder as a run's `checkpoint.last_save_in_hf`: its `--dtype` default is the trainer's
+`checkpoint.export_dtype` default, `--tokenizer` takes what `model.tokenizer_path` takes (default: the default BPE,
+sized to the model; `--no-tokenizer` writes none), and `--seq-len` is the run's `training.seq_len` (config.json's
+max_position_embeddings where the model has no rope scaling; default: the flavor's).
 `hf-to-dcp` writes a model-only float32 checkpoint with a completion marker that `checkpoint.initial_load_path` (or
 a run's own checkpoint folder) can load.
 """
@@ -19,16 +24,22 @@ a run's own checkpoint folder) can load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
-import torch
-
 # Runnable as a plain script from a checkout: make the package importable without installing it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_python import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
+
+import torch  # noqa: E402
 
 from torchtitan.components import checkpoint_io as cio  # noqa: E402
+from torchtitan.config.job_config import Checkpoint  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,6 +58,22 @@ def _model_args(model: str, flavor: str):
     if flavor not in spec.flavors:
         raise ConvertError(f"--flavor: unknown '{flavor}' for {model}; known: {', '.join(sorted(spec.flavors))}")
     return spec, spec.flavors[flavor]
+
+
+def _tokenizer(path: str, vocab_size: int):
+    """The run's tokenizer, built as the trainer builds it (torchtitan/config/preflight.py, checked_tokenizer): the
+    same cached default BPE for "" and a model of this vocabulary, so the folder's tokenizer files are the run's."""
+    from torchtitan.data.tokenizer import build_tokenizer, default_cache_dir
+
+    try:
+        tokenizer = build_tokenizer(path, default_cache_dir(), vocab_size)
+    except (OSError, ValueError) as e:
+        reason = str(e).removeprefix("model.tokenizer_path: ")
+        raise ConvertError(f"--tokenizer: {reason} (or --no-tokenizer)") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConvertError(f"--tokenizer: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
+                           f"{vocab_size}: not the run's tokenizer")
+    return tokenizer
 
 
 def _check_folder(folder: Path) -> None:
@@ -149,6 +176,12 @@ def dcp_to_hf(ns: argparse.Namespace) -> None:
     src = Path(ns.src)
     prefix, shapes = _model_shapes(src)
     _check_against_model(shapes, spec, args, ns.flavor, str(src))
+    if ns.seq_len is not None:
+        if ns.seq_len <= 0:
+            raise ConvertError(f"--seq-len must be positive, got {ns.seq_len}")
+        args = dataclasses.replace(args, max_seq_len=ns.seq_len)  # as the trainer's model_args_for does
+    # After the checks, so a wrong --model or --flavor is reported before the default tokenizer is built.
+    tokenizer = None if ns.no_tokenizer else _tokenizer(ns.tokenizer, args.vocab_size)
     pg = _process_group()
     model = _sharded_model(spec, args, pg)
     state = model_state_dict([model])
@@ -159,9 +192,10 @@ def dcp_to_hf(ns: argparse.Namespace) -> None:
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         raise ConvertError(f"{src}: cannot read the checkpoint: {' '.join(str(e).split())[:300]}") from e
-    out = save_hf_sharded(ns.out, state, args, dtype=ns.dtype, model=ns.model, pg=pg)
+    out = save_hf_sharded(ns.out, state, args, dtype=ns.dtype, model=ns.model, pg=pg, tokenizer=tokenizer)
     if pg is None or dist.get_rank(pg) == 0:
-        print(f"wrote {out} ({len(shapes)} tensors, {ns.model}, {ns.dtype})")
+        which = "no tokenizer" if tokenizer is None else f"tokenizer {tokenizer.path}"
+        print(f"wrote {out} ({len(shapes)} tensors, {ns.model}, {ns.dtype}, {which})")
 
 
 def hf_to_dcp(ns: argparse.Namespace) -> None:
@@ -225,7 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("out", help="output folder (replaced atomically if it exists)")
     a.add_argument("--model", default="llama3", help="registered model name, as model.name (default llama3)")
     a.add_argument("--flavor", required=True)
-    a.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    # One default for both exports: the trainer's checkpoint.export_dtype (float32: the weights as trained).
+    a.add_argument("--dtype", default=Checkpoint.export_dtype, choices=sorted(_DTYPES),
+                   help=f"weights' dtype (default {Checkpoint.export_dtype}, as checkpoint.export_dtype)")
+    a.add_argument("--tokenizer", default="", help="the run's model.tokenizer_path (default: the default BPE sized "
+                   "to the model, as a run with no model.tokenizer_path uses), written beside the weights")
+    a.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files (and null BOS/EOS ids)")
+    a.add_argument("--seq-len", type=int, default=None, help="the run's training.seq_len, or validation.seq_len if "
+                   "longer: the model's max_seq_len (default: the flavor's)")
     a.set_defaults(fn=dcp_to_hf)
     b = sub.add_parser("hf-to-dcp", help="Hugging Face folder -> model-only DCP step folder")
     b.add_argument("src", help="folder with config.json and *.safetensors")

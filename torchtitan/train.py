@@ -177,7 +177,7 @@ class Trainer:
                                self.train_state, param_order)
         logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.nparams:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs/token")
-        logger.info(startup.layout_line(parallel_dims, self.loss_parallel, self.pipeline, cfg.training.local_batch_size))
+        logger.info(startup.layout_line(parallel_dims, self.loss_parallel, self.pipeline, t.local_batch_size))
         logger.info(startup.training_line(cfg, parallel_dims, grad_accum_steps, param_dtype, self.device))
         logger.info(startup.data_line(cfg, source))
 

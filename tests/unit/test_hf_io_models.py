@@ -137,9 +137,12 @@ def test_convert_script_round_trip_for_qwen3_moe(tmp_path: Path, capsys) -> None
     cio.write_marker(step, {"step": 3, "world_size": 1, "model_only": True})
 
     hf_dir = tmp_path / "hf"
-    argv = ["dcp-to-hf", str(step), str(hf_dir), "--model", "qwen3", "--flavor", "debugmodel_moe"]
+    # --no-tokenizer: the default tokenizer would be built in the user's cache (TORCHTITAN_CACHE_DIR), outside tmp_path;
+    # test_hf_adapter.py exports the tokenizer.
+    argv = ["dcp-to-hf", str(step), str(hf_dir), "--model", "qwen3", "--flavor", "debugmodel_moe", "--no-tokenizer"]
     assert conv.main([*argv, "--dtype", "float32"]) == 0
     _assert_same(load_hf(hf_dir, args)[0], want)
+    assert not (hf_dir / "tokenizer.json").exists() and not (hf_dir / "generation_config.json").exists()
     # No --model: config.json says which model it is.
     assert conv.main(["hf-to-dcp", str(hf_dir), str(tmp_path / "back" / "step-0")]) == 0
     _assert_same(cio.load_full_model_state(tmp_path / "back" / "step-0"), _without_bias(want))

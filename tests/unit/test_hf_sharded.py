@@ -372,7 +372,9 @@ def _convert_script():
 
 def _convert_on_rank(rank: int, step: Path, out: Path, back: Path) -> None:
     conv = _convert_script()
-    assert conv.main(["dcp-to-hf", str(step), str(out), "--flavor", "debugmodel", "--dtype", "float32"]) == 0
+    # --no-tokenizer: the default one lives in the user's cache, outside tmp_path (test_hf_adapter.py covers it).
+    assert conv.main(["dcp-to-hf", str(step), str(out), "--flavor", "debugmodel", "--dtype", "float32",
+                      "--no-tokenizer"]) == 0
     assert conv.main(["hf-to-dcp", str(out), str(back), "--model", "llama3", "--flavor", "debugmodel"]) == 0
 
 
@@ -394,7 +396,7 @@ def test_convert_script_dcp_to_hf_by_shard_on_two_ranks(tmp_path: Path) -> None:
     cio.write_marker(step, {"step": 5, "world_size": 1, "model_only": True})
     run_ranks(_convert_on_rank, step, tmp_path / "two", tmp_path / "back" / "step-5")
     assert _convert_script().main(["dcp-to-hf", str(step), str(tmp_path / "one"), "--flavor", "debugmodel",
-                                   "--dtype", "float32"]) == 0
+                                   "--dtype", "float32", "--no-tokenizer"]) == 0
     for folder in ("two", "one"):
         got, _ = load_hf(tmp_path / folder, llama3_flavors["debugmodel"])
         assert set(got) == set(want) and all(torch.equal(got[k], want[k].float()) for k in want), folder

@@ -259,19 +259,22 @@ class CheckpointManager:
         self.wait()  # one save at a time: the previous one is published (and purged) before this one starts
         path = self.folder / (name or f"step-{step}")
 
+        t0 = time.perf_counter()
+        state = self._model_state(dtype) if model_only else self._full_state()
+        needed = self._bytes_to_write(state)
+
         def prepare() -> None:
             if cio.read_marker(path) is not None:
                 raise CheckpointError(f"{path} is a complete checkpoint; a run never overwrites one")
             if path.exists():
                 logger.info(f"checkpoint: replacing the incomplete {path}")
                 cio.remove_checkpoint(path)
+            cio.check_free_space(self.folder, needed)
             path.mkdir(parents=True, exist_ok=True)
 
-        # Nobody writes into the folder before rank 0 cleared a leftover of the same name (the broadcast is
-        # the barrier), and every rank raises if rank 0 refused.
+        # Nobody writes into the folder before rank 0 cleared a leftover of the same name and found room for the
+        # whole checkpoint (the broadcast is the barrier), and every rank raises if rank 0 refused.
         self._on_rank0(prepare, f"checkpoint: cannot save step {step}")
-        t0 = time.perf_counter()
-        state = self._model_state(dtype) if model_only else self._full_state()
         info = {"step": step, "world_size": self.world_size, "model_only": model_only,
                 "dtype": dtype, "torch": torch.__version__}
         self._last_saved = step
@@ -288,6 +291,8 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
+            # DCP raises on every rank only after gathering every rank's write result: nobody writes any more.
+            self._remove_partial(path)
             raise CheckpointError(f"checkpoint: saving {path} failed: {cio.one_line(e)}") from e
         self._barrier()  # every rank's dcp.save has returned: all shards and the .metadata are on disk
         self._on_rank0(lambda: self._publish(path, info, t0), f"checkpoint: cannot publish {path}")
@@ -336,6 +341,7 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:
+            self._remove_partial(path)
             message = f"checkpoint: background save of {path} failed: {cio.one_line(e)}"
             logger.error(message)  # now, on the checkpoint thread; wait() re-raises it on the training thread
             raise CheckpointError(message) from e
@@ -344,6 +350,32 @@ class CheckpointManager:
             # .metadata, so every shard is on disk here: the marker goes last.
             self._publish(path, info, t0)
             self._purge(path)
+
+    def _bytes_to_write(self, state: dict[str, Any]) -> int:
+        """Bytes the whole checkpoint of `state` puts on disk, every tensor counted once: DCP writes one copy of a
+        replicated tensor. A DTensor's shard counts on the ranks at coordinate 0 of every mesh dimension that
+        does not shard it; a plain tensor (a DDP replica, a pipeline stage's, a rank's RNG state) once per key.
+        Equal on every rank: one all_gather_object on the checkpoint group."""
+        sharded, plain = cio.tensor_bytes(state)
+        if self._pg is None:
+            return sharded + sum(plain.values())
+        parts: list[Any] = [None] * dist.get_world_size(self._pg)
+        dist.all_gather_object(parts, (sharded, plain), group=self._pg)
+        unique: dict[str, int] = {}
+        for _, rank_plain in parts:
+            unique.update(rank_plain)
+        return sum(part[0] for part in parts) + sum(unique.values())
+
+    def _remove_partial(self, path: Path) -> None:
+        """After a failed save: rank 0 deletes what was written, unless the folder is complete (never the case
+        for a save that failed before its marker, but a marker is the one proof the rule keeps)."""
+        if self.rank != 0 or cio.read_marker(path) is not None:
+            return
+        try:
+            cio.remove_checkpoint(path)
+            logger.info(f"checkpoint: removed the partial {path}")
+        except OSError as e:
+            logger.warning(f"checkpoint: could not remove the partial {path}: {cio.one_line(e)}")
 
     def _publish(self, path: Path, info: dict[str, Any], t0: float) -> None:
         cio.write_marker(path, {**info, "time": time.time()})
@@ -364,9 +396,15 @@ class CheckpointManager:
         out = self.folder / f"step-{step}-hf"
         # By shard (hf_sharded.py): every rank writes its own rows into files rank 0 laid out; no rank ever holds
         # the model, with or without pipeline parallel. Collective over every rank (on self._pg).
+        # The run's tokenizer (the one its data loader encodes with) makes the folder self-contained: tokenizer files
+        # and BOS/EOS ids, exactly as scripts/convert_checkpoint.py dcp-to-hf writes them.
+        tokenizer = getattr(self.dataloader, "tokenizer", None)
+        if tokenizer is None and self.rank == 0:
+            logger.info("checkpoint.last_save_in_hf: no tokenizer known to the checkpointer; the Hugging Face folder "
+                        "gets no tokenizer files and no BOS/EOS ids")
         try:
             save_hf_sharded(out, model_state_dict(self.model_parts), self.model_args,
-                            dtype=self.cfg.export_dtype, pg=self._pg)
+                            dtype=self.cfg.export_dtype, pg=self._pg, tokenizer=tokenizer)
         except (RuntimeError, ValueError, OSError) as e:  # raised alike on every rank
             raise CheckpointError(f"checkpoint.last_save_in_hf: cannot write {out}: {cio.one_line(e)}") from e
         logger.info(f"checkpoint: exported Hugging Face folder {out} in {time.perf_counter() - t0:.2f}s")
@@ -408,6 +446,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 fn()
+            except CheckpointError as e:  # our own message: it names the folder already
+                error = f"{what}: {e}"
             except Exception as e:
                 error = f"{what}: {cio.one_line(e)}"
         if self._pg is not None:

@@ -153,6 +153,50 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# What DCP's default writer adds per tensor (each is its own torch.save record: zip headers, pickle, alignment) and
+# for the .metadata file, per tensor: measured with torch 2.13 (3.3 KiB and 0.65 KiB on a 2-block model).
+BYTES_PER_WRITTEN_TENSOR = 4096
+
+
+def tensor_bytes(state: Any, prefix: str = "") -> tuple[int, dict[str, int]]:
+    """(bytes of this rank's DTensor shards that it alone writes, {key: bytes} of its plain tensors) in a nested
+    state, each with the writer's per-tensor overhead: a shard counts where the rank sits at coordinate 0 of every
+    mesh dimension that does not shard it (Replicate or Partial), the one copy DCP writes; plain tensors are
+    returned by key for the caller to count each key once over the ranks."""
+    from torch.distributed.tensor import DTensor
+
+    sharded, plain = 0, {}
+    if isinstance(state, DTensor):
+        coordinate = state.device_mesh.get_coordinate()
+        if coordinate is not None and all(c == 0 for c, p in zip(coordinate, state.placements, strict=True)
+                                          if not p.is_shard()):
+            sharded += state.to_local().nbytes + BYTES_PER_WRITTEN_TENSOR
+    elif isinstance(state, torch.Tensor):
+        plain[prefix] = state.nbytes + BYTES_PER_WRITTEN_TENSOR
+    elif isinstance(state, (dict, list, tuple)):
+        items = state.items() if isinstance(state, dict) else enumerate(state)
+        for key, value in items:
+            more, more_plain = tensor_bytes(value, f"{prefix}/{key}")
+            sharded += more
+            plain.update(more_plain)
+    return sharded, plain
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """Raise before writing a checkpoint of `needed` bytes that the filesystem of `folder` cannot hold: a save
+    that runs out of space midway fails deep inside DCP's writer (and its partial folder would then go)."""
+    existing = Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise CheckpointError(f"no space left on {existing}: checkpoint needs {_size(needed)}, {_size(free)} free")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def purge(folder: Path, keep_latest_k: int, keep: Path | None = None) -> list[Path]:
     """Apply the retention rule of this module's docstring; `keep` (the checkpoint just published) is
     never deleted either. Returns the deleted folders."""

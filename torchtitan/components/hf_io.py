@@ -5,6 +5,12 @@ Layout written by `save_hf` (what `transformers.AutoModelForCausalLM.from_pretra
     folder/config.json
     folder/model.safetensors                              when everything fits in one shard, else
     folder/model-0000K-of-0000N.safetensors + folder/model.safetensors.index.json
+    folder/generation_config.json                         when the BOS/EOS ids are known
+    folder/tokenizer.json + tokenizer_config.json + special_tokens_map.json    with `tokenizer=`
+
+With the run's tokenizer (`tokenizer=`, what `build_tokenizer` returned) the folder is self-contained:
+`AutoTokenizer.from_pretrained(folder)` encodes text to the ids the model was trained on (BOS first, spelled-out
+special tokens as plain text) and config.json / generation_config.json carry its BOS/EOS ids (`tokenizer_files`).
 
 The model-specific part (key names, weight layouts, config.json) is the model's state-dict adapter, the
 `state_dict_adapter` of its `ModelSpec` (torchtitan/models/registry.py): a class built from the model args with
@@ -35,6 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from torchtitan.components.hf_tokenizer import special_ids, tokenizer_files, write_files
 from torchtitan.tools.fs import fsync_dir
 
 CONFIG_NAME = "config.json"
@@ -175,12 +182,14 @@ def save_hf(
     eos_id: int | None = None,
     *,
     model: str | type | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write our full state dict as a Hugging Face checkpoint folder, atomically; returns the folder.
 
     `model` picks the adapter (see `adapter_for`). An existing folder is replaced. Tensors are cast to `dtype`
     ("float32" or "bfloat16") one shard at a time, so the extra memory is about one shard plus whatever new
-    tensors the adapter makes (e.g. permuted copies).
+    tensors the adapter makes (e.g. permuted copies). `tokenizer`, the run's (`build_tokenizer`), adds its files and
+    BOS/EOS ids (`tokenizer_files`); bos_id/eos_id then default to its own.
     """
     folder = Path(folder)
     # Checked here, before the adapter runs, so every model refuses the same dtypes the same way.
@@ -189,7 +198,9 @@ def save_hf(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     adapter = adapter_for(model, model_args)
+    bos_id, eos_id = special_ids(tokenizer, bos_id, eos_id)
     config = adapter.hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)
+    extra = tokenizer_files(tokenizer, config)
     target = _DTYPES[dtype]
     hf_sd = adapter(model_args).to_hf(state_dict)
     fp32_suffixes = tuple(getattr(adapter, "FLOAT32_HF_KEY_SUFFIXES", ()))
@@ -220,6 +231,7 @@ def save_hf(
         if len(shards) > 1:
             _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(tmp / CONFIG_NAME, config)
+        write_files(tmp, extra)
         fsync_dir(tmp)
         _publish(tmp, folder)
     except BaseException:

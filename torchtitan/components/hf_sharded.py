@@ -17,7 +17,8 @@ Export (`save_hf_sharded`), a collective over `pg`:
   DTensor's own placement logic, _StridedShard included), converted to the export dtype, by `pwrite` at their
   offsets. Of replicas (a Replicate mesh dim, or a plain tensor held by several ranks) only one writes;
 * the elements written per HF tensor are summed over ranks (one all_reduce) and must equal its size: a hole or a
-  double write fails the export. Rank 0 then writes the index and config.json and publishes the folder atomically.
+  double write fails the export. Rank 0 then writes the index, config.json and the tokenizer and generation files
+  (hf_tokenizer.tokenizer_files) and publishes the folder atomically.
 
 Import (`load_hf_sharded`): each rank maps the files read-only and copies into its local shards exactly their rows
 and columns; one all_gather_object reports any rank's failure. Disk reads and memory are the rank's shards.
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.components import hf_io
+from torchtitan.components import hf_io, hf_tokenizer
 from torchtitan.components.safetensors_slices import Entry, Reader, create_file, plan_file, read_entries, write_rows
 from torchtitan.components.shard_rows import local_2d, local_rows_cols, match_rows, n_rows, row_chunks, shard_index
 from torchtitan.models.hf_common import RowLink
@@ -172,17 +173,20 @@ def save_hf_sharded(
     *,
     model: str | type | None = None,
     pg: dist.ProcessGroup | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Collective over `pg` (default: the world): write the model as an HF folder, each rank its own rows.
 
     Every rank passes its own `model_state_dict(parts)` (DTensors or plain tensors; with pipeline parallel, its
     stages' keys) and the same arguments; the folder must be on a filesystem every rank sees. Returns the folder
-    on every rank; a failure on any rank raises on every rank and leaves no folder behind.
+    on every rank; a failure on any rank raises on every rank and leaves no folder behind. `tokenizer` (the run's)
+    adds the same tokenizer and generation files as hf_io.save_hf (rank 0 writes them).
     """
     folder = Path(folder)
     if dtype not in hf_io._DTYPES:
         raise ValueError(f"dtype '{dtype}' is not supported; use one of {', '.join(hf_io._DTYPES)}")
     rank, world = _world(pg)
+    bos_id, eos_id = hf_tokenizer.special_ids(tokenizer, bos_id, eos_id)  # a contradiction fails on every rank, here
     adapter_cls = hf_io.adapter_for(model, model_args)
     adapter = adapter_cls(model_args)
     shapes, links = _plan(adapter, state_dict, hf_io._DTYPES[dtype],
@@ -242,6 +246,7 @@ def save_hf_sharded(
             hf_io._write_json(tmp / hf_io.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
             config = adapter_cls.hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)
             hf_io._write_json(tmp / hf_io.CONFIG_NAME, config)
+            hf_tokenizer.write_files(tmp, hf_tokenizer.tokenizer_files(tokenizer, config))
             for name in files:
                 hf_io._fsync_file(tmp / name)
             fsync_dir(tmp)

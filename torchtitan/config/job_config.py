@@ -17,8 +17,8 @@ class Job:
     """Folder for everything a run writes: resolved config, metrics.jsonl, TensorBoard, checkpoints"""
     description: str = "torchtitan job"
     """Free-text description, printed at start"""
-    print_config: bool = True
-    """Print the resolved config at start (rank 0)"""
+    print_config: bool = False
+    """Also print the whole resolved config at start (rank 0); it is always saved to save_config_file"""
     save_config_file: str = "job_config.json"
     """File name, inside dump_folder, where the resolved config is saved ("" = do not save)"""
 
@@ -76,7 +76,8 @@ class Training:
     dataset_path: str = ""
     """Local file, folder or glob (json/jsonl/parquet/txt), hub dataset, or pre-tokenized folder; empty = registry"""
     dataset_mixture: list[str] = field(default_factory=list)
-    """Weighted sources "name_or_path:weight", e.g. ["c4:0.7", "/data/code:0.3"]; replaces dataset/dataset_path"""
+    """Weighted sources "name_or_path:weight[:column=NAME]", e.g. ["c4:0.7", "/data/qa.jsonl:0.3:column=answer"];
+    replaces dataset/dataset_path"""
     dataset_text_column: str = "text"
     """Column (json/parquet/hub record field) holding each document's text"""
     dataset_split: str = "train"
@@ -164,7 +165,9 @@ class Checkpoint:
     last_save_model_only: bool = True
     """The final save holds only model weights"""
     export_dtype: str = "float32"
-    """Dtype of model-only exports: float32 | bfloat16"""
+    """Dtype of the final exports, model-only (step-N-model) and Hugging Face (step-N-hf): float32 | bfloat16. The
+    default keeps the weights as trained (the HF model's logits equal ours); bfloat16 halves the files.
+    scripts/convert_checkpoint.py dcp-to-hf --dtype has the same default"""
     initial_load_path: str = ""
     """Checkpoint to initialise from when the run has none of its own"""
     initial_load_model_only: bool = True

@@ -13,6 +13,7 @@ Everything else (embeddings, norms, MLP, wv, wo) is copied as is: wv/wo never go
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -199,8 +200,17 @@ def hf_config(
         raise ValueError(f"dtype '{dtype}' is not supported; use one of {', '.join(_DTYPE_NAMES)}")
     a = model_args
     rope_scaling: dict[str, Any] | None = None
+    max_pos = a.max_seq_len
     if a.rope_scaling is not None:
         s = a.rope_scaling
+        # Our model applies the scaling to its frequencies at every length (model.py, rope_frequencies), and so does
+        # transformers' "llama3" rope, which reads only these fields: exported as is, the logits stay ours.
+        # max_position_embeddings is then the context the scaling stretches to (factor x original, as DeepSeek's
+        # YaRN export does), never below what we trained: transformers warns on every load when it is not above
+        # original_max_position_embeddings (e.g. 256 against 8192 for a short-sequence run). The llama3 frequencies
+        # do not depend on it, so the numerics do not change.
+        max_pos = max(a.max_seq_len, math.ceil(s.factor * s.original_max_position_embeddings),
+                      s.original_max_position_embeddings + 1)
         rope_scaling = {
             "rope_type": "llama3",
             "factor": float(s.factor),
@@ -221,7 +231,7 @@ def hf_config(
         "rms_norm_eps": a.norm_eps,
         "rope_theta": a.rope_theta,
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": a.max_seq_len,
+        "max_position_embeddings": max_pos,
         "vocab_size": a.vocab_size,
         "tie_word_embeddings": a.tie_word_embeddings,
         "attention_bias": False,
