@@ -7,6 +7,14 @@ Takes the same TOML and overrides as training. Runs the trainer's own model buil
 rank on fake tensors with a fake process group (nothing is materialised), two training steps, and prints the
 peak with a breakdown, the phase of the peak, an analytic cross-check and a fits / does-not-fit verdict.
 `--device cpu` estimates a CPU (gloo) run as the trainer does it there: fp32 whatever the config says.
+
+When the job does not fit it prints advice: the smallest changes that fit (activation checkpointing, more FSDP ranks
+or nodes, tensor or pipeline parallel, a smaller local batch, a shorter sequence), cheapest for throughput first, each
+estimated again by the same engine and printed as overrides ready to paste (`--no-advice` skips the search,
+`--advice-estimates N` bounds it; torchtitan/estimation/advice.py).
+
+Exit codes: 0 the job fits, 3 it does not fit, 2 bad input (a config error naming its key, a bad argument), 1 the
+estimate itself failed (traceback).
 """
 
 from __future__ import annotations
@@ -19,9 +27,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_python import use_project_python  # noqa: E402
+
+use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
 from torchtitan.config.errors import ConfigError  # noqa: E402
 from torchtitan.config.manager import load_config  # noqa: E402
+from torchtitan.estimation import advice  # noqa: E402
 from torchtitan.estimation.engine import estimate  # noqa: E402
 from torchtitan.estimation.forked import in_child  # noqa: E402
 from torchtitan.estimation.report import (  # noqa: E402
@@ -55,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact", action="store_true",
                         help="run every transformer block instead of extrapolating from two shallower models")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    advice.add_advice_arguments(parser)
+    parser.epilog = advice.EXIT_CODES
     opts, config_args = parser.parse_known_args(argv)
     try:
         if opts.world_size < 1:
@@ -67,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         target = "cpu" if opts.device.lower() == "cpu" else "cuda"
         capacity = _host_memory_gib() if target == "cpu" and opts.memory_gib is None else \
             device_capacity_gib(opts.device, opts.memory_gib)
+        gpus_per_node = advice.checked_gpus_per_node(opts.world_size, opts.gpus_per_node, opts.advice_estimates)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return advice.EXIT_BAD_INPUT
     reserve = opts.reserve_gib
     if reserve is None:
         reserve = 0.0 if target == "cpu" else DEFAULT_GPU_RESERVE_GIB
@@ -77,11 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     if opts.rank is None and resolved.pipeline is not None:
         # pp is the outermost mesh dimension: pipeline rank r's first rank is r x (world / pp).
         ranks = [r * (opts.world_size // parallel_dims.pp) for r in range(parallel_dims.pp)]
-    if len(ranks) == 1:
-        per_rank = [estimate(cfg, opts.world_size, ranks[0], target, exact=opts.exact)]
-    else:
-        per_rank = [_estimate_in_child(cfg, opts.world_size, rank, target, opts.exact) for rank in ranks]
+    # Every rank in a forked child, also a single one: the advice's estimates fork from this process, and must not
+    # inherit a fake process group's leftovers (DTensor's mesh-keyed caches) from an estimate made in it.
+    def estimate_fn(c, world_size, rank):
+        return _estimate_in_child(c, world_size, rank, target, opts.exact)
+
+    try:
+        per_rank = [estimate_fn(cfg, opts.world_size, rank) for rank in ranks]
+    except ConfigError as e:  # shapes only the parallelize code checks (heads not divisible by tp, ...)
+        print(f"error: {e}", file=sys.stderr)
+        return advice.EXIT_BAD_INPUT
     est = max(per_rank, key=lambda e: e.peak_bytes)
+    fit = advice.fits(est.peak_bytes, capacity, reserve)
+    if fit:
+        adv = advice.not_given("the job fits")
+    elif opts.no_advice:
+        adv = advice.not_given("--no-advice")
+    else:
+        adv = advice.advise(config_args, opts.world_size, gpus_per_node, capacity, reserve, per_rank, estimate_fn,
+                            opts.advice_estimates)
     stages = []
     if resolved.pipeline is not None:
         plan = resolved.pipeline
@@ -101,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         layout += f", pp {parallel_dims.pp} ({resolved.pipeline.schedule})"
     if opts.json:
         print(json.dumps({**as_json(est, closed_form, capacity, reserve, opts.device, layout),
-                          "pipeline_stages": stages}))
+                          "pipeline_stages": stages, "advice": adv}))
     else:
         if stages:
             print("peak per pipeline rank (its stages):")
@@ -110,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  pp rank {st['pp_rank']} (rank {st['rank']}), stages {', '.join(st['stages'])}: "
                       f"{st['peak_bytes'] / 2**30:.2f} GiB during {st['peak_phase']}{worst}")
         print(render(est, closed_form, capacity, reserve, opts.device, layout))
-    return 0
+        if not fit:
+            print("\n".join(advice.render_advice(adv, "scripts/estimate_memory.py")))
+    return advice.exit_code(fit)
 
 
 if __name__ == "__main__":

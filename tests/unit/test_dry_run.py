@@ -94,10 +94,12 @@ def test_405b_on_512_ranks():
 
 
 def test_debug_model_bytes_per_rank_exact():
-    # 0.25 GiB of memory: less than the debug model's peak (about 0.41 GiB), so the verdict must say it does not fit.
-    proc = _run(["--world-size", "2", "--device", "cpu", "--memory-gib", "0.25", "--json", *DEBUG])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 0.25 GiB of memory: less than the debug model's peak (about 0.41 GiB), so the verdict must say it does not fit
+    # (exit code 3); the advice's extra estimates are left to test_does_not_fit_with_advice.
+    proc = _run(["--world-size", "2", "--device", "cpu", "--memory-gib", "0.25", "--json", "--no-advice", *DEBUG])
+    assert proc.returncode == 3, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
+    assert out["advice"] == {"given": False, "reason": "--no-advice", "suggestions": [], "others": []}
     [rank0] = out["parameters"]
     params = _model_params("debugmodel")
     # FSDP 2 shards every parameter's dim 0; rank 0 holds ceil(rows / 2) of each, in float32 (CPU target).
@@ -115,8 +117,9 @@ def test_debug_model_bytes_per_rank_exact():
 
 
 def test_pipeline_stage_split_and_a_rank_per_stage():
+    # without a verdict the exit code is 0, whatever the memory
     proc = _run(["--world-size", "4", "--device", "cpu", *DEBUG, "--parallelism.pipeline_parallel_degree", "2",
-                 "--training.local_batch_size", "4", "--no-verdict"])
+                 "--training.local_batch_size", "4", "--no-verdict", "--memory-gib", "0.001"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "mesh (outer -> inner): pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 = 4 ranks" in out
@@ -145,8 +148,26 @@ def test_pipeline_verdict_per_rank_two_at_a_time():
         assert e["steady_bytes"] == p["bytes"] and e["peak_bytes"] > sum(p["bytes"].values())
 
 
-def test_bad_config_is_one_line_error_with_exit_2():
-    proc = _run(["--world-size", "6", *DEBUG, "--parallelism.tensor_parallel_degree", "4"], timeout=60)
+@pytest.mark.parametrize(("args", "message"), [
+    (["--world-size", "6", *DEBUG, "--parallelism.tensor_parallel_degree", "4"], "does not divide the world size 6"),
+    (["--world-size", "2", *DEBUG, "--training.seq_lenn", "64"], "training.seq_lenn"),
+    (["--world-size", "6", *DEBUG, "--gpus-per-node", "4"], "--gpus-per-node 4 does not divide the world of 6"),
+])
+def test_bad_config_is_one_line_error_with_exit_2(args, message):
+    proc = _run(args, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
-    assert "does not divide the world size 6" in proc.stderr and proc.stdout == ""
+    assert message in proc.stderr and proc.stdout == ""
+
+
+def test_does_not_fit_with_advice():
+    # The debug model at 8 x 64 tokens peaks at 0.141 GiB; per-op activation checkpointing, the cheapest change, fits
+    # 0.125 GiB at 0.124 (re-estimating each suggestion: tests/unit/test_estimation_advice.py). One estimate allowed.
+    proc = _run(["--world-size", "2", "--device", "cpu", "--memory-gib", "0.125", "--advice-estimates", "1",
+                 "--model.flavor", "debugmodel", "--training.seq_len", "64"])
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "verdict: DOES NOT FIT" in out and "advice: changes that fit" in out and "(1 of at most 1 estimates" in out
+    assert "1. activation checkpointing none -> selective (op): peak 0.12 GiB (rank 0)" in out
+    assert "paste: --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op\n" in out
+    assert "tensor parallel 1 -> 2: not estimated" in out
