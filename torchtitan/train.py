@@ -360,7 +360,10 @@ def run(cfg: JobConfig, resolved: Resolved) -> int:
         dist_utils.record_failure(e)
         return 2
     except BaseException as e:  # noqa: BLE001 - any failure must reach the launcher as a non-zero exit
-        logger.exception(f"rank {rank}: setup failed")
+        if dist_utils.lost_a_peer(e):  # another rank failed first: the launcher names it
+            print(f"[rank{rank}] error: setup failed: {one_line(e)}", file=sys.stderr)
+        else:
+            logger.exception(f"rank {rank}: setup failed")
         dist_utils.record_failure(e)
         return 1
     try:
@@ -374,7 +377,8 @@ def run(cfg: JobConfig, resolved: Resolved) -> int:
         dist_utils.record_failure(e)
         return 1
     except TrainingError as e:
-        if e.__cause__ is not None:  # a step failed on an exception: its traceback is the evidence
+        # A step failed on an exception: its traceback is the evidence, unless it only says a peer rank went away.
+        if e.__cause__ is not None and not dist_utils.lost_a_peer(e.__cause__):
             logger.error(f"rank {rank}: traceback of the failure", exc_info=e.__cause__)
         print(f"[rank{rank}] error: {e}", file=sys.stderr)
         dist_utils.record_failure(e)

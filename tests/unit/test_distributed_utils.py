@@ -12,6 +12,7 @@ import textwrap
 import torch
 
 from tests.unit.forked import run_ranks
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.utils import flight_recorder_env, total_grad_norm
 
 
@@ -131,3 +132,22 @@ def test_an_acknowledged_signal_does_not_exit():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "still here True" in out.stdout, out.stderr
+
+
+def _collective_after_rank1_left(rank: int):
+    import torch.distributed as dist
+
+    if rank == 1:
+        return "left"  # this process exits (os._exit): its gloo connections close
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:
+        return dist_utils.lost_a_peer(e), str(e)[:300]
+    return "the collective succeeded without rank 1"
+
+
+def test_a_collective_that_lost_its_peer_is_told_apart_from_a_real_error():
+    # What a rank sees when another one failed first: the launcher names that one, this one logs no traceback.
+    (lost, message), left = run_ranks(_collective_after_rank1_left)
+    assert left == "left" and lost, message
+    assert not dist_utils.lost_a_peer(ValueError("model.tokenizer_path: no such file"))

@@ -234,6 +234,16 @@ def param_init(param: torch.Tensor, init_fn: Callable[[torch.Tensor], object]) -
     local.copy_(shard)
 
 
+# What a collective raises on a rank whose peer died (gloo's TCP pairs, NCCL's abort): a consequence, not a cause.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """True when `exc` only says that another rank went away. That rank's own error is the evidence (the launcher
+    names the first rank that failed); a traceback here would bury it in the log."""
+    return any(text in str(exc) for text in _PEER_LOST)
+
+
 def record_failure(exc: BaseException) -> None:
     """Write the exception to torchrun's per-rank error file, so the launcher's failure summary shows this
     rank's message even when LOG_RANK hides the rank's own output."""
