@@ -34,8 +34,9 @@ command-line arguments. A key given twice on the command line takes the last val
 environment variables and the registered models and flavors. An unknown section or key, a value of the wrong type, an
 invalid value or degrees that do not multiply to the world size stop the run with one line naming the key and
 file (`config error: ...`, exit code 2): `run_train.sh` checks the config once, for NGPU x nodes processes,
-before torchrun starts any rank (an elastic node range leaves the degrees to the ranks, which check again before
-any process group is created).
+before torchrun starts any rank: a misspelt key, a value of the wrong type or a missing file within a second,
+before torch is imported; flavors, values and degrees after it, in a few seconds (an elastic node range leaves
+the degrees to the ranks, which check again before any process group is created).
 The resolved configuration is saved as `job_config.json` in `job.dump_folder` (and printed at start with
 `--job.print_config true`; the start-up log states the applied layout in a few lines instead): every
 value left to be derived (-1: `data_parallel_shard_degree`, `global_batch_size`, the validation batch and

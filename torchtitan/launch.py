@@ -65,6 +65,20 @@ def world_size(env: Mapping[str, str], gpu_count: int) -> int | None:
     return nodes * nproc if nodes > 0 and nproc > 0 else None
 
 
+def check_spelling(train_args: Sequence[str], env: Mapping[str, str]) -> None:
+    """The config's file, keys and value types, before torch is imported (~2-3 s on 2 cores): the mistakes users
+    make most (a misspelt key, a value of the wrong type, a missing TOML file) come back well within a second.
+    What needs torch (flavors, degrees against the GPU count, data) follows in check_before_launch."""
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.manager import read_args
+
+    try:
+        read_args(entry_point_argv(train_args, env))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_before_launch(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> None:
     """The ranks' own checks (torchtitan/config/preflight.py), run once here before torchrun starts them: a bad key,
     value, flavor, degree, tokenizer or data path is then one line on stderr and exit code 2, rather than every rank
@@ -140,6 +154,7 @@ def _missing_module() -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     train_args = list(sys.argv[1:] if argv is None else argv)
+    check_spelling(train_args, os.environ)
     missing = _missing_module()
     if missing is not None:
         sys.exit(f"[launch] {sys.executable} cannot import {missing}: remove .venv/.installed-pyproject and run "

@@ -259,3 +259,15 @@ def test_slurm_directives_come_before_the_first_command():
     assert "--ntasks-per-node=1" in directives
     assert any(d.startswith("--nodes=") for d in directives) and any(d.startswith("--gpus-per-node=") for d in
                                                                      directives)
+
+
+def test_a_misspelt_key_or_a_wrong_type_fails_before_torch_is_imported():
+    # Importing torch is most of a failed launch's time (2-3 s on 2 cores): what needs no torch is checked first.
+    code = ("import sys\nfrom torchtitan import launch\ntry:\n    launch.main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    for args, message in ((["--training.stepz", "3"], "unknown config key 'training.stepz'"),
+                          (["--training.steps", "abc"], "--training.steps: expected an integer, got 'abc'")):
+        proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if k != "CONFIG_FILE"})
+        assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+        assert proc.stderr.startswith("config error: ") and message in proc.stderr, proc.stderr
