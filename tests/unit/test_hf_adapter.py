@@ -402,13 +402,9 @@ class _Loader:
 
 
 def _convert_script():
-    import importlib.util
+    from tests.scripts import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "convert_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("convert_checkpoint")
 
 
 def _greedy(model: Transformer, prompt: torch.Tensor, n: int, eos_id: int) -> torch.Tensor:

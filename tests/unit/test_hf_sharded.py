@@ -361,13 +361,9 @@ def test_an_export_with_unwritten_rows_fails_and_leaves_nothing(tmp_path: Path, 
 
 
 def _convert_script():
-    import importlib.util
+    from tests.scripts import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "convert_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("convert_checkpoint")
 
 
 def _convert_on_rank(rank: int, step: Path, out: Path, back: Path) -> None:
