@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -319,14 +320,35 @@ class Trainer:
 
 
 def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
-    """memory_estimation.enable: rank 0 prints the estimate for this layout (fake tensors, no process group)."""
+    """memory_estimation.enable: rank 0 estimates this layout (fake tensors, no process group) and gives the verdict
+    against this machine's device (or memory_estimation.device_memory_gib); exit code 0 fits, 3 does not (as
+    scripts/estimate_memory.sh, which also suggests the changes that would fit)."""
+    code = 0
     if rank == 0:
+        from torchtitan.estimation import advice
         from torchtitan.estimation.engine import estimate
+        from torchtitan.estimation.report import DEFAULT_GPU_RESERVE_GIB
 
-        est = estimate(cfg, world_size, 0, device_tools.device_type())
+        device_type = device_tools.device_type()
+        est = estimate(cfg, world_size, 0, device_type)
         logger.info(f"memory estimate for rank 0 of {world_size}: peak {est.peak_bytes / 2**30:.2f} GiB during "
                     f"{est.peak_phase}; " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in est.breakdown.items()))
-    dist_utils.exit_process(0)
+        capacity, reserve = cfg.memory_estimation.device_memory_gib, 0.0
+        if device_type == "cuda":
+            capacity = capacity or torch.cuda.get_device_properties(0).total_memory / 2**30
+            reserve = DEFAULT_GPU_RESERVE_GIB  # the allocator's cache and the CUDA context, outside tensors
+        elif not capacity:  # the node's ranks share the host's memory
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            capacity = host / 2**30 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        fits = advice.fits(est.peak_bytes, capacity, reserve)
+        verdict = (f"memory estimate: {'FITS' if fits else 'DOES NOT FIT'} in {capacity:.2f} GiB per device "
+                   f"(reserve {reserve:.1f} GiB): headroom {capacity - reserve - est.peak_bytes / 2**30:.2f} GiB")
+        if not fits:
+            verdict += "; scripts/estimate_memory.sh with the same config suggests changes that fit"
+            dist_utils.record_failure(ValueError(verdict))
+        print(verdict, file=sys.stderr)
+        code = advice.exit_code(fits)
+    dist_utils.exit_process(code)
 
 
 def main(argv: list[str] | None = None) -> None:

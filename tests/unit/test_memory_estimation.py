@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tests.unit.forked import in_child, run_ranks
+from tests.unit.forked import in_child, run_main, run_ranks
 from torchtitan.components.model_parts import materialize
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.manager import load_config, parse_args
@@ -560,6 +560,19 @@ def test_training_entry_point_estimates_instead_of_training(tmp_path):
                           timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "memory estimate for rank 0 of 1: peak" in proc.stdout + proc.stderr
+    assert "memory estimate: FITS in " in proc.stderr  # this host's memory
+    # A device smaller than the estimate: exit code 3, as scripts/estimate_memory.sh gives it
+    code, out, err = run_main(_train_main, ["--memory_estimation.enable", "--memory_estimation.device_memory_gib",
+                                            "0.01", "--job.dump_folder", str(tmp_path), *BASE],
+                              env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}, cwd=REPO)
+    assert code == 3, err[-2000:]
+    assert "memory estimate: DOES NOT FIT in 0.01 GiB per device (reserve 0.0 GiB): headroom -" in err, err[-2000:]
+
+
+def _train_main(argv: list[str]) -> None:
+    from torchtitan.train import main
+
+    main(argv)
 
 
 def test_moe_model_estimate_counts_every_expert_once_per_shard():

@@ -278,6 +278,8 @@ class MemoryEstimation:
     """Estimate with real tensors instead of fake ones (not available yet)"""
     expert_load_factor: float = 1.25
     """Expert parallel: rows each rank's experts receive, relative to perfectly balanced routing (its headroom)"""
+    device_memory_gib: float = 0.0
+    """Memory per device the verdict compares with, GiB (0 = this machine's: the GPU's, or the host's per local rank)"""
 
 
 @dataclass

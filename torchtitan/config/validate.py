@@ -70,6 +70,9 @@ def check_values(cfg: JobConfig) -> None:
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     _positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+    if not cfg.memory_estimation.device_memory_gib >= 0.0:
+        _err(f"memory_estimation.device_memory_gib: must be >= 0 (0 = this machine's), got "
+             f"{cfg.memory_estimation.device_memory_gib}")
     if not cfg.memory_estimation.expert_load_factor >= 1.0:
         _err(f"memory_estimation.expert_load_factor: must be >= 1 (1 = balanced routing), got "
              f"{cfg.memory_estimation.expert_load_factor}")
