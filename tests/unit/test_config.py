@@ -595,6 +595,7 @@ INVALID_VALUES = [
      "n_heads=8 is not divisible by tensor_parallel_degree=3"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree"),  # llama has no MoE
     (["--memory_estimation.expert_load_factor", "0.9"], "memory_estimation.expert_load_factor"),
+    (["--memory_estimation.device_memory_gib", "-1"], "memory_estimation.device_memory_gib"),
     # expert tensor parallel needs MoE layers (its degree against tp: tests/unit/test_parallel_dims.py)
     (["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
      "parallelism.expert_tensor_parallel_degree"),
