@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -43,8 +42,10 @@ from torchtitan.estimation.report import (  # noqa: E402
     analytic,
     as_json,
     device_capacity_gib,
+    fits,
     render,
 )
+from torchtitan.tools.device import host_memory_bytes  # noqa: E402
 
 
 def _estimate_in_child(cfg, world_size: int, rank: int, target: str, exact: bool):
@@ -52,10 +53,6 @@ def _estimate_in_child(cfg, world_size: int, rank: int, target: str, exact: bool
         return in_child(functools.partial(estimate, exact=exact), cfg, world_size, rank, target)
     except RuntimeError as e:
         raise RuntimeError(f"estimating rank {rank} failed:\n{e}") from None
-
-
-def _host_memory_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, resolved = load_config(config_args, opts.world_size)
         parallel_dims = resolved.parallel_dims
         target = "cpu" if opts.device.lower() == "cpu" else "cuda"
-        capacity = _host_memory_gib() if target == "cpu" and opts.memory_gib is None else \
+        capacity = host_memory_bytes() / 1024**3 if target == "cpu" and opts.memory_gib is None else \
             device_capacity_gib(opts.device, opts.memory_gib)
         gpus_per_node = advice.checked_gpus_per_node(opts.world_size, opts.gpus_per_node, opts.advice_estimates)
     except (ConfigError, ValueError) as e:
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return advice.EXIT_BAD_INPUT
     est = max(per_rank, key=lambda e: e.peak_bytes)
-    fit = advice.fits(est.peak_bytes, capacity, reserve)
+    fit = fits(est.peak_bytes, capacity, reserve)
     if fit:
         adv = advice.not_given("the job fits")
     elif opts.no_advice:

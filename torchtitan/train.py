@@ -325,9 +325,9 @@ def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
     scripts/estimate_memory.sh, which also suggests the changes that would fit)."""
     code = 0
     if rank == 0:
-        from torchtitan.estimation import advice
+        from torchtitan.estimation.advice import exit_code
         from torchtitan.estimation.engine import estimate
-        from torchtitan.estimation.report import DEFAULT_GPU_RESERVE_GIB
+        from torchtitan.estimation.report import DEFAULT_GPU_RESERVE_GIB, fits
 
         device_type = device_tools.device_type()
         est = estimate(cfg, world_size, 0, device_type)
@@ -338,16 +338,15 @@ def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
             capacity = capacity or torch.cuda.get_device_properties(0).total_memory / 2**30
             reserve = DEFAULT_GPU_RESERVE_GIB  # the allocator's cache and the CUDA context, outside tensors
         elif not capacity:  # the node's ranks share the host's memory
-            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            capacity = host / 2**30 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        fits = advice.fits(est.peak_bytes, capacity, reserve)
-        verdict = (f"memory estimate: {'FITS' if fits else 'DOES NOT FIT'} in {capacity:.2f} GiB per device "
+            capacity = device_tools.host_memory_bytes() / 2**30 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        fit = fits(est.peak_bytes, capacity, reserve)
+        verdict = (f"memory estimate: {'FITS' if fit else 'DOES NOT FIT'} in {capacity:.2f} GiB per device "
                    f"(reserve {reserve:.1f} GiB): headroom {capacity - reserve - est.peak_bytes / 2**30:.2f} GiB")
-        if not fits:
+        if not fit:
             verdict += "; scripts/estimate_memory.sh with the same config suggests changes that fit"
             dist_utils.record_failure(ValueError(verdict))
         print(verdict, file=sys.stderr)
-        code = advice.exit_code(fits)
+        code = exit_code(fit)
     dist_utils.exit_process(code)
 
 

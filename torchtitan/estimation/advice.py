@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import load_config, read_args
 from torchtitan.estimation.dry_run import representative_ranks
+from torchtitan.estimation.report import GIB, fits, needed_gib
 
-GIB = 1024**3
 EXIT_FITS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 1, 2, 3
 EXIT_CODES = ("exit codes: 0 the job fits, 3 it does not fit (with advice unless --no-advice), 2 bad input (config "
               "error or bad argument), 1 the estimate itself failed (traceback)")
@@ -35,15 +35,6 @@ DEFAULT_MAX_ESTIMATES = 6
 # estimated all the same, so that a rounding the bounds do not see cannot hide a change that fits.
 _BOUND_SLACK = 0.02
 _STATES = ("parameters", "gradients", "optimizer_state")
-
-
-def needed_gib(peak_bytes: int, reserve_gib: float) -> float:
-    return peak_bytes / GIB + reserve_gib
-
-
-def fits(peak_bytes: int, capacity_gib: float, reserve_gib: float) -> bool:
-    """The verdict the reports print (report.render, dry_run.verdict): peak plus reserve within the capacity."""
-    return needed_gib(peak_bytes, reserve_gib) <= capacity_gib
 
 
 def exit_code(fit: bool) -> int:

@@ -289,10 +289,12 @@ def verdict(estimates: list, capacity_gib: float, reserve_gib: float) -> dict:
                          "extrapolated_from": est.extrapolated_from, "full_depth_reason": est.full_depth_reason,
                          "seconds": est.seconds})
     worst = max(per_rank, key=lambda e: e["peak_bytes"])
-    need = worst["peak_bytes"] / GIB + reserve_gib
+    from torchtitan.estimation.report import fits, needed_gib
+
+    need = needed_gib(worst["peak_bytes"], reserve_gib)
     return {"per_rank": per_rank, "worst_rank": worst["rank"], "peak_gib": worst["peak_bytes"] / GIB,
             "capacity_gib": capacity_gib, "reserve_gib": reserve_gib, "needed_gib": need,
-            "fits": need <= capacity_gib, "headroom_gib": capacity_gib - need}
+            "fits": fits(worst["peak_bytes"], capacity_gib, reserve_gib), "headroom_gib": capacity_gib - need}
 
 
 def render_verdict(v: dict, device: str) -> list[str]:

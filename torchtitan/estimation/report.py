@@ -9,6 +9,16 @@ from torchtitan.models.registry import get_model_spec
 
 GIB = 1024**3
 
+
+def needed_gib(peak_bytes: int, reserve_gib: float) -> float:
+    return peak_bytes / GIB + reserve_gib
+
+
+def fits(peak_bytes: int, capacity_gib: float, reserve_gib: float) -> bool:
+    """The verdict of every report (render, as_json, dry_run.verdict, the advice, the trainer's estimate): peak plus
+    reserve within the capacity."""
+    return needed_gib(peak_bytes, reserve_gib) <= capacity_gib
+
 # Usable memory as torch.cuda.get_device_properties(...).total_memory reports it (a bit below the marketing
 # figure), in GiB. Override with --memory-gib for anything else.
 DEVICE_MEMORY_GIB = {
@@ -111,9 +121,8 @@ def render(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, r
         lines.append(f"    {name:17s} between steps       {tracked:8.2f}  {analytic_gib[name]:8.2f}")
     lines.append(f"    {'activations':17s} at the peak         {est.breakdown['activations'] / GIB:8.2f}  "
                  f"{analytic_gib['activations']:8.2f}  (approximate formula)")
-    need = peak + reserve_gib
-    fits = need <= capacity_gib
-    verdict = "FITS" if fits else "DOES NOT FIT"
+    need = needed_gib(est.peak_bytes, reserve_gib)
+    verdict = "FITS" if fits(est.peak_bytes, capacity_gib, reserve_gib) else "DOES NOT FIT"
     lines.append(f"  device {device}: {capacity_gib:.1f} GiB; needed {peak:.2f} + {reserve_gib:.1f} reserve "
                  f"(CUDA context, NCCL, allocator) = {need:.2f} GiB")
     lines.append(f"  verdict: {verdict}, headroom {capacity_gib - need:+.2f} GiB")
@@ -122,13 +131,13 @@ def render(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, r
 
 def as_json(est: Estimate, analytic_gib: dict[str, float], capacity_gib: float, reserve_gib: float,
             device: str, layout: str) -> dict:
-    need = est.peak_bytes / GIB + reserve_gib
+    need = needed_gib(est.peak_bytes, reserve_gib)
     return {
         "rank": est.rank, "world_size": est.world_size, "layout": layout, "device": device,
         "capacity_gib": capacity_gib, "reserve_gib": reserve_gib,
         "peak_bytes": est.peak_bytes, "peak_gib": est.peak_bytes / GIB, "peak_phase": est.peak_phase,
         "breakdown_bytes": est.breakdown, "steady_bytes": est.steady_bytes,
-        "analytic_gib": analytic_gib, "needed_gib": need, "fits": need <= capacity_gib,
+        "analytic_gib": analytic_gib, "needed_gib": need, "fits": fits(est.peak_bytes, capacity_gib, reserve_gib),
         "headroom_gib": capacity_gib - need, "seconds": est.seconds,
         "extrapolated_from": est.extrapolated_from, "full_depth_reason": est.full_depth_reason,
     }

@@ -286,6 +286,14 @@ def _current_rss_bytes() -> float:
     return _ru_maxrss_bytes()
 
 
+def host_memory_bytes() -> float:
+    """This machine's physical memory (0 where the OS does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 class MemoryMonitor:
     """Peak memory since the last reset_peak(), for the per-step metrics line.
 
@@ -303,15 +311,8 @@ class MemoryMonitor:
             logger.info("GPU %s: %.2f GiB total memory", props.name, self._capacity_bytes / _GIB)
         else:
             self._device = None
-            self._capacity_bytes = self._host_memory_bytes()
+            self._capacity_bytes = host_memory_bytes()
         self.reset_peak()
-
-    @staticmethod
-    def _host_memory_bytes() -> float:
-        try:
-            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        except (ValueError, OSError, AttributeError):
-            return 0.0
 
     def capacity_gib(self) -> float:
         """Total device memory (host RAM on CPU) in GiB."""
