@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 from torchtitan.components.checkpoint import CheckpointManager, TrainState  # noqa: E402
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
-from torchtitan.models.llama3 import Transformer, llama3_flavors  # noqa: E402
+from torchtitan.models.llama3.args import llama3_flavors  # noqa: E402
+from torchtitan.models.llama3.model import Transformer  # noqa: E402
 
 CHUNK = 64 << 20
 

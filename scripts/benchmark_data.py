@@ -70,7 +70,8 @@ def debug_consumption(steps: int = 9) -> float:
     """Tokens/s of llama3 debugmodel forward+backward at the debug config's batch 4 x seq 256 on CPU."""
     from dataclasses import replace
 
-    from torchtitan.models.llama3 import Transformer, llama3_flavors
+    from torchtitan.models.llama3.args import llama3_flavors
+    from torchtitan.models.llama3.model import Transformer
 
     b, s = 4, 256
     args = replace(llama3_flavors["debugmodel"], max_seq_len=s)
@@ -95,8 +96,8 @@ def debug_consumption(steps: int = 9) -> float:
 def h100_8b_consumption(seq_len: int = 8192) -> float:
     from dataclasses import replace
 
-    from torchtitan.models.llama3 import Transformer, llama3_flavors
-    from torchtitan.models.llama3.model import get_nparams_and_flops
+    from torchtitan.models.llama3.args import llama3_flavors
+    from torchtitan.models.llama3.model import Transformer, get_nparams_and_flops
 
     args = replace(llama3_flavors["8B"], max_seq_len=seq_len)
     with torch.device("meta"):

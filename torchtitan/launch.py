@@ -1,9 +1,9 @@
 """What `./run_train.sh` runs: one interpreter that checks the environment, settles the process count, the config
-file and the thread count, checks the config as the ranks will (a bad one is one line, exit code 2), then runs
-torchrun in this same process (`torch.distributed.run.main`).
+file and the thread count, checks the config, tokenizer and data as the ranks will (a bad one is one line, exit code
+2, before torch is imported), then runs torchrun in this same process (`torch.distributed.run.main`).
 
-A launch therefore imports torch once before the ranks start, not once per check (each import is ~1.4 s on a
-2-core machine; see docs/performance.md). The environment variables are those run_train.sh documents:
+A launch therefore imports torch once before the ranks start, not once per check (each import is ~3 s on a
+2-core machine). The environment variables are those run_train.sh documents:
 NGPU, CONFIG_FILE, LOG_RANK, TORCHRUN_ARGS. Only the standard library is imported at module level, so a missing
 package is reported as one line rather than a traceback.
 """
@@ -11,6 +11,7 @@ package is reported as one line rather than a traceback.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shlex
 import sys
@@ -45,9 +46,9 @@ def torchrun_argv(train_args: Sequence[str], env: Mapping[str, str], gpu_count: 
             "-m", "torchtitan.train", *entry_point_argv(train_args, env)]
 
 
-def world_size(env: Mapping[str, str], gpu_count: int) -> int | None:
+def world_size(env: Mapping[str, str], gpu_count: int | None) -> int | None:
     """The job's process count (processes per node x nodes), or None where the launch does not fix it: an elastic
-    node range (--nnodes 2:4) or a value torchrun itself will reject."""
+    node range (--nnodes 2:4), a value torchrun itself will reject, or an unknown GPU count without NGPU."""
     nnodes = "1"
     rendezvous = shlex.split(env.get("TORCHRUN_ARGS") or "")
     for i, arg in enumerate(rendezvous):
@@ -56,50 +57,67 @@ def world_size(env: Mapping[str, str], gpu_count: int) -> int | None:
         elif arg.startswith("--nnodes="):
             nnodes = arg.split("=", 1)[1]
     low, _, high = nnodes.partition(":")
-    if high and high != low:
+    if (high and high != low) or (gpu_count is None and not env.get("NGPU")):
         return None
     try:
-        nodes, nproc = int(low), int(_nproc(env, gpu_count))
+        nodes, nproc = int(low), int(_nproc(env, gpu_count or 0))
     except ValueError:
         return None
     return nodes * nproc if nodes > 0 and nproc > 0 else None
 
 
-def check_spelling(train_args: Sequence[str], env: Mapping[str, str]) -> None:
-    """The config's file, keys and value types, before torch is imported (~2-3 s on 2 cores): the mistakes users
-    make most (a misspelt key, a value of the wrong type, a missing TOML file) come back well within a second.
-    What needs torch (flavors, degrees against the GPU count, data) follows in check_before_launch."""
+# Where a GPU driver shows itself (NVIDIA, ROCm, WSL): with none of them, torch can see no GPU either.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_count_without_torch() -> int | None:
+    """0 where this machine has no GPU driver, else None: only torch counts the GPUs it can use (visible devices,
+    MIG), and importing it takes ~3 s on 2 cores."""
+    return None if any(os.path.exists(path) for path in GPU_DRIVER_PATHS) else 0
+
+
+def check_before_torch(train_args: Sequence[str], env: Mapping[str, str]) -> int | None:
+    """The ranks' config checks (torchtitan/config/preflight.py) and their tokenizer and data sources, run once
+    here before torch is imported or torchrun starts a rank: a bad key, value, flavor, degree, tokenizer or data
+    path is one line on stderr and exit code 2 in well under 3 s, rather than every rank failing the same way
+    inside torchrun's report (where LOG_RANK may hide the rank that printed it). Degrees against the world size
+    are checked where the world size is known without torch (NGPU set, or no GPU); the world size checked, or
+    None."""
     from torchtitan.config.errors import ConfigError
-    from torchtitan.config.manager import read_args
-
-    try:
-        read_args(entry_point_argv(train_args, env))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def check_before_launch(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> None:
-    """The ranks' own checks (torchtitan/config/preflight.py), run once here before torchrun starts them: a bad key,
-    value, flavor, degree, tokenizer or data path is then one line on stderr and exit code 2, rather than every rank
-    failing the same way inside torchrun's report (where LOG_RANK may hide the rank that printed it)."""
-    from torchtitan.config.errors import ConfigError
-    from torchtitan.config.manager import parse_args
-    from torchtitan.config.preflight import check_inputs, check_job
+    from torchtitan.config.manager import load_config, parse_args
+    from torchtitan.config.preflight import check_inputs
 
     argv = entry_point_argv(train_args, env)
-    world = world_size(env, gpu_count)
+    world = world_size(env, gpu_count_without_torch())
     try:
-        # the degrees need the world size: with an elastic node count the ranks check them once it is known
-        cfg = parse_args(argv) if world is None else check_job(argv, world)[0]
+        cfg = parse_args(argv) if world is None else load_config(argv, world)[0]
         if not cfg.memory_estimation.enable:  # an estimate needs neither data nor tokenizer on this machine
             check_inputs(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _config_error(e)
     except (ValueError, FileNotFoundError) as e:  # data and tokenizer errors name their key and file
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    return world
+
+
+def check_with_torch(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> None:
+    """What needs torch: the degrees against the GPU count torch sees, and the device (check_job)."""
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.preflight import check_job
+
+    world = world_size(env, gpu_count)
+    if world is None:  # an elastic node count: the ranks check the degrees once the rendezvous knows it
+        return
+    try:
+        check_job(entry_point_argv(train_args, env), world)
+    except ConfigError as e:
+        _config_error(e)
+
+
+def _config_error(e: Exception) -> None:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 # Errors a rank reports as one line of its own (a bad setting, file or step): the summary drops the type name.
@@ -142,23 +160,25 @@ def failure_line(failures: Mapping[int, Any]) -> tuple[str, int]:
             f"LOG_RANK={failure.local_rank})"), code
 
 
-def _missing_module() -> str | None:
-    """The first required module this interpreter cannot import, with the reason; None when all import."""
+def _stop_if_a_module_is_missing(*, import_them: bool) -> None:
+    """One line naming the first required module this interpreter lacks (found without importing it), or, with
+    import_them, cannot import (a broken install)."""
     for name in REQUIRED_MODULES:
         try:
-            importlib.import_module(name)
+            if not import_them and importlib.util.find_spec(name) is None:
+                raise ImportError("not installed")
+            if import_them:
+                importlib.import_module(name)
         except ImportError as e:
-            return f"{name} ({e})"
-    return None
+            sys.exit(f"[launch] {sys.executable} cannot import {name} ({e}): remove .venv/.installed-pyproject and "
+                     "run ./run_train.sh again to reinstall")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     train_args = list(sys.argv[1:] if argv is None else argv)
-    check_spelling(train_args, os.environ)
-    missing = _missing_module()
-    if missing is not None:
-        sys.exit(f"[launch] {sys.executable} cannot import {missing}: remove .venv/.installed-pyproject and run "
-                 "./run_train.sh again to reinstall")
+    _stop_if_a_module_is_missing(import_them=False)
+    check_before_torch(train_args, os.environ)
+    _stop_if_a_module_is_missing(import_them=True)
     import torch
     from torch.distributed.run import main as torchrun
 
@@ -166,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if gpu_count == 0:
         # CPU ranks share the cores: one OpenMP thread each avoids oversubscription (and fork deadlocks).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    check_before_launch(train_args, os.environ, gpu_count)
+    check_with_torch(train_args, os.environ, gpu_count)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:

@@ -116,7 +116,7 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
     """FSDP 4 step 3 -> PP 2 x FSDP 2 with 2 stages per rank (saves step 4, exports Hugging Face at 6) -> both
     FSDP 4 and PP 4 (one block per stage) from its step 4: every change of the stage split continues the curve."""
     from torchtitan.components.hf_io import load_hf
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.llama3.model import Transformer
 
     folder, straight = straight_fsdp4
     pp_run, back, pp4 = tmp_path / "pp2_fsdp2", tmp_path / "fsdp4", tmp_path / "pp4"
@@ -211,7 +211,7 @@ def test_async_save_with_hugging_face_export_loads_in_transformers(pools, tmp_pa
     import transformers
 
     from torchtitan.components.hf_io import load_hf
-    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.llama3.model import Transformer
 
     # The 7M-parameter debug model: its background save lasts long enough to overlap the export.
     args = (*dp(4, 2), "--model.flavor", "debugmodel", "--training.steps", "3", "--checkpoint.enable",

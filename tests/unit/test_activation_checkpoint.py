@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.llama3.args import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
 
 
 def _model() -> Transformer:

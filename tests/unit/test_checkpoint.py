@@ -30,7 +30,8 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.llama3.args import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from torchtitan.components import checkpoint_io as cio
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState, checkpoint_step_folders
 from torchtitan.components.hf_io import load_hf
 from torchtitan.config.job_config import Checkpoint
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.llama3.args import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ROOT = Path(__file__).resolve().parents[2]

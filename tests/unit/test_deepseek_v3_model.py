@@ -13,11 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, YaRNScaling, deepseek_v3_flavors
+from torchtitan.models.deepseek_v3.args import (
+    DeepSeekV3ModelArgs,
+    YaRNScaling,
+    deepseek_v3_flavors,
+    get_pipeline_unit_flops,
+)
 from torchtitan.models.deepseek_v3.model import (
     DeepSeekV3Transformer,
     get_nparams_and_flops,
-    get_pipeline_unit_flops,
     precompute_rope_table,
 )
 from torchtitan.models.moe import MoE

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import parse_args
 
+from torchtitan import launch
 from torchtitan.launch import DEFAULT_CONFIG_FILE, failure_line, main, torchrun_argv, world_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,9 +69,18 @@ def test_a_missing_package_is_one_line_before_torchrun(monkeypatch):
     ({"NGPU": "2", "TORCHRUN_ARGS": "--nnodes=3:3 --rdzv_backend c10d"}, 0, 6),
     ({"TORCHRUN_ARGS": "--nnodes 2:4 --rdzv_backend c10d"}, 8, None),  # elastic: unknown before rendezvous
     ({"NGPU": "many"}, 0, None),  # torchrun reports it
+    ({}, None, None),  # GPUs not counted yet (before torch is imported on a machine with a GPU driver)
+    ({"NGPU": "4", "TORCHRUN_ARGS": "--nnodes 2"}, None, 8),
 ])
 def test_world_size_from_the_launch_variables(env, gpus, world):
     assert world_size(env, gpus) == world
+
+
+def test_no_gpu_driver_means_no_gpu_without_importing_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "GPU_DRIVER_PATHS", (str(tmp_path / "nvidiactl"),))
+    assert launch.gpu_count_without_torch() == 0
+    (tmp_path / "nvidiactl").touch()
+    assert launch.gpu_count_without_torch() is None  # torch counts them
 
 
 @pytest.fixture
@@ -261,13 +271,29 @@ def test_slurm_directives_come_before_the_first_command():
                                                                      directives)
 
 
-def test_a_misspelt_key_or_a_wrong_type_fails_before_torch_is_imported():
-    # Importing torch is most of a failed launch's time (2-3 s on 2 cores): what needs no torch is checked first.
+@pytest.mark.parametrize(("args", "message"), [
+    (["--training.stepz", "3"], "config error: --training.stepz: unknown config key 'training.stepz'"),
+    (["--training.steps", "abc"], "config error: --training.steps: expected an integer, got 'abc'"),
+    (["--training.steps", "-1"], "config error: training.steps: must be > 0, got -1"),
+    (["--model.flavor", "nope"], "config error: model.flavor: unknown flavor 'nope' of llama3"),
+    (["--parallelism.tensor_parallel_degree", "3"],
+     "config error: parallelism.tensor_parallel_degree=3 with model llama3/debugmodel: n_heads=8 is not divisible"),
+    (["--parallelism.tensor_parallel_degree", "4"],
+     "config error: parallelism: dp_replicate=1 x cp=1 x tp=4 x pp=1 = 4 does not divide the world size 2"),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "4"],
+     "config error: parallelism.expert_parallel_degree"),
+    (["--training.dataset_path", "/nonexistent/train.jsonl"], "error: training.dataset_path: no such file"),
+    (["--training.dataset_path", str(REPO / "tests/integration/data/short_documents.jsonl"),
+      "--training.dataset_text_column", "body"], "error: training.dataset_text_column: no column 'body'"),
+])
+def test_config_data_and_tokenizer_errors_come_before_torch_is_imported(args, message):
+    # Importing torch is most of a failed launch's time (~3 s on 2 cores): keys, values, flavors, degrees (the world
+    # size is NGPU here) and local data are all checked without it.
     code = ("import sys\nfrom torchtitan import launch\ntry:\n    launch.main(sys.argv[1:])\n"
             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
-    for args, message in ((["--training.stepz", "3"], "unknown config key 'training.stepz'"),
-                          (["--training.steps", "abc"], "--training.steps: expected an integer, got 'abc'")):
-        proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=60, env={k: v for k, v in os.environ.items() if k != "CONFIG_FILE"})
-        assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
-        assert proc.stderr.startswith("config error: ") and message in proc.stderr, proc.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "TORCHRUN_ARGS")}
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**env, "NGPU": "2"})
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message.split(": ")[0] + ": ") and \
+        message in proc.stderr, proc.stderr

@@ -14,13 +14,12 @@ import torch.nn.functional as F
 
 from torchtitan.models.llama3.model import precompute_freqs_cis
 from torchtitan.models.moe import MoE
-from torchtitan.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
+from torchtitan.models.qwen3.args import Qwen3ModelArgs, get_pipeline_unit_flops, qwen3_flavors
 from torchtitan.models.qwen3.model import (
     Qwen3Transformer,
     apply_rotary_emb,
     get_active_nparams,
     get_nparams_and_flops,
-    get_pipeline_unit_flops,
 )
 
 MODEL_SOURCE = Path(__file__).resolve().parents[2] / "torchtitan" / "models" / "qwen3" / "model.py"

@@ -16,16 +16,13 @@ from tests.unit.test_config import run_train_in_child
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import load_config
+from torchtitan.config.validate import tp_divisibility_errors
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.tensor_parallel import (
-    apply_tp,
-    local_value,
-    loss_parallel_context,
-    tp_divisibility_errors,
-)
+from torchtitan.distributed.tensor_parallel import apply_tp, local_value, loss_parallel_context
 from torchtitan.distributed.utils import clip_grad_norm_, param_init
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.llama3.args import llama3_flavors
+from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import tp_block_plan
 
 SEQ = 32

@@ -11,6 +11,8 @@ from typing import Any
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, Moe
+from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.registry import get_model_spec
 
 OVERRIDES = ("load_balance_coeff", "aux_loss_coeff", "aux_loss_scope", "router_z_loss_coeff")
 """[moe] keys that are MoEArgs fields of the same name"""
@@ -18,8 +20,6 @@ OVERRIDES = ("load_balance_coeff", "aux_loss_coeff", "aux_loss_scope", "router_z
 
 def flavor_moe_args(cfg: JobConfig) -> Any:
     """The flavor's MoEArgs, or None for a dense model (the flavor must exist)."""
-    from torchtitan.models.registry import get_model_spec  # lazy: pulls in torch
-
     return getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
 
 
@@ -40,8 +40,6 @@ def with_moe_overrides(model_args: Any, cfg: JobConfig) -> Any:
 def check_moe(cfg: JobConfig) -> None:
     """Each [moe] value on its own, then the flavor's MoEArgs with them (one line naming the first bad key)."""
     m, default = cfg.moe, Moe()
-    from torchtitan.models.moe.args import MoEArgs
-
     # The override keys are MoEArgs fields: its own checks, on the values set here, name the key.
     errors = [e for e in dataclasses.replace(MoEArgs(), **_set_overrides(cfg)).check() if e.startswith("moe.")]
     if errors:

@@ -18,6 +18,7 @@ from torchtitan.config.moe import fill_moe
 from torchtitan.config.validate import check_resolved
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import PipelinePlan, plan_pipeline
+from torchtitan.models.registry import get_model_spec
 
 __all__ = ["Resolved", "resolve"]
 
@@ -61,8 +62,6 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
     if parallel_dims.pp == 1:
         _check_no_pipeline_keys(cfg)
     else:
-        from torchtitan.models.registry import get_model_spec  # lazy: pulls in torch
-
         spec = get_model_spec(cfg.model.name)
         args = spec.flavors[cfg.model.flavor]
         # Validation walks the stages forward only, in micro-batches of any count (pipeline_parallel.py).

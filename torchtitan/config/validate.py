@@ -15,6 +15,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.moe import check_moe
 from torchtitan.distributed.pipeline_parallel import SCHEDULES
+from torchtitan.models.registry import get_model_spec
 
 
 def _err(msg: str) -> None:
@@ -79,9 +80,6 @@ def check_values(cfg: JobConfig) -> None:
 
 
 def _check_model(cfg: JobConfig) -> None:
-    # Imported here, not at the top: they pull in torch, which `--help` and scripts/gen_config_docs.py never need.
-    from torchtitan.models.registry import get_model_spec
-
     try:
         spec = get_model_spec(cfg.model.name)
     except KeyError as e:
@@ -179,7 +177,6 @@ def _check_expert_parallel(cfg: JobConfig) -> None:
     (torchtitan/distributed/parallel_dims.py)."""
     etp = cfg.parallelism.expert_tensor_parallel_degree
     if etp > 1:
-        from torchtitan.models.registry import get_model_spec  # lazy: see _check_model
 
         moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
         if moe is None:
@@ -191,7 +188,6 @@ def _check_expert_parallel(cfg: JobConfig) -> None:
     ep = cfg.parallelism.expert_parallel_degree
     if ep == 1:
         return
-    from torchtitan.models.registry import get_model_spec  # lazy: see _check_model
 
     moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
     if moe is None:
@@ -229,12 +225,37 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
         return
     _check_tp_divides(cfg, {"training.seq_len": cfg.training.seq_len})
 
+def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> list[str]:
+    """What the tensor-parallel plan (torchtitan/distributed/tensor_parallel.py: heads, KV heads, feed-forward units
+    and vocabulary split over tp, the sequence sharded between blocks) needs from the model shape; one message per
+    violated rule (empty = fine). Here, not there, because it runs before torch is imported.
+
+    `seq_lens` maps a config key (e.g. "training.seq_len") to its value: sequence parallel shards it by tp.
+    """
+    if tp == 1:
+        return []
+    errors = []
+    kv = model_args.num_kv_heads
+    if model_args.n_heads % tp:
+        errors.append(f"n_heads={model_args.n_heads} is not divisible by tensor_parallel_degree={tp}")
+    if kv % tp:
+        hint = " (GQA: each rank needs at least one whole KV head)" if kv < tp else ""
+        errors.append(f"n_kv_heads={kv} is not divisible by tensor_parallel_degree={tp}{hint}")
+    if model_args.ffn_hidden_dim % tp:
+        errors.append(f"the feed-forward hidden size {model_args.ffn_hidden_dim} is not divisible by "
+                      f"tensor_parallel_degree={tp}")
+    if model_args.vocab_size % tp:
+        errors.append(f"vocab_size={model_args.vocab_size} is not divisible by tensor_parallel_degree={tp} "
+                      "(embedding and output are sharded on the vocabulary)")
+    for key, seq_len in seq_lens.items():
+        if seq_len % tp:
+            errors.append(f"{key}={seq_len} is not divisible by tensor_parallel_degree={tp} "
+                          "(sequence parallel shards activations on the sequence)")
+    return errors
+
 
 def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     """The model's dimensions and the given sequence lengths must divide by the TP degree."""
-    from torchtitan.distributed.tensor_parallel import tp_divisibility_errors  # lazy: see _check_model
-    from torchtitan.models.registry import get_model_spec
-
     tp = cfg.parallelism.tensor_parallel_degree
     spec = get_model_spec(cfg.model.name)
     if not spec.supports_tensor_parallel:

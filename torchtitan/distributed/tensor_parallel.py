@@ -48,33 +48,6 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.tools.logging import logger
 
 
-def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> list[str]:
-    """What the layout above needs from the model shape; one message per violated rule (empty = fine).
-
-    `seq_lens` maps a config key (e.g. "training.seq_len") to its value: sequence parallel shards it by tp.
-    """
-    if tp == 1:
-        return []
-    errors = []
-    kv = model_args.num_kv_heads
-    if model_args.n_heads % tp:
-        errors.append(f"n_heads={model_args.n_heads} is not divisible by tensor_parallel_degree={tp}")
-    if kv % tp:
-        hint = " (GQA: each rank needs at least one whole KV head)" if kv < tp else ""
-        errors.append(f"n_kv_heads={kv} is not divisible by tensor_parallel_degree={tp}{hint}")
-    if model_args.ffn_hidden_dim % tp:
-        errors.append(f"the feed-forward hidden size {model_args.ffn_hidden_dim} is not divisible by "
-                      f"tensor_parallel_degree={tp}")
-    if model_args.vocab_size % tp:
-        errors.append(f"vocab_size={model_args.vocab_size} is not divisible by tensor_parallel_degree={tp} "
-                      "(embedding and output are sharded on the vocabulary)")
-    for key, seq_len in seq_lens.items():
-        if seq_len % tp:
-            errors.append(f"{key}={seq_len} is not divisible by tensor_parallel_degree={tp} "
-                          "(sequence parallel shards activations on the sequence)")
-    return errors
-
-
 def moe_token_split() -> ParallelStyle:
     """The plan of an MoE layer under tensor parallel (see the module doc): its input, the Shard(1) residual stream,
     enters as this rank's local S/tp tokens, and its output leaves as the same Shard(1) DTensor; both conversions

@@ -1,18 +1,35 @@
-"""Model registry: `model.name` -> ModelSpec, so a new architecture is a new folder, not a trainer edit."""
+"""Model registry: `model.name` -> ModelSpec, so a new architecture is a new folder, not a trainer edit.
+
+Torch-free: a model package registers its flavors and config-time facts when imported, and its torch side (the
+module, its parallelize function, its Hugging Face adapter) loads on first use. The launcher, --help and the
+config checks therefore answer before torch is imported (~3 s on a 2-core machine)."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.nn as nn
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 # Packages under torchtitan.models that register a spec when imported.
 _KNOWN_MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3")
 
 _REGISTRY: dict[str, ModelSpec] = {}
+
+
+@dataclass(frozen=True)
+class TorchSide:
+    """The parts of an architecture that import torch."""
+
+    model_cls: type[nn.Module]
+    parallelize_fn: Callable[..., nn.Module]
+    """(model or stage, parallel_dims, job_config, param_dtype, ddp=True) -> it with TP/AC/compile/FSDP/DDP"""
+    nparams_and_flops_fn: Callable[[nn.Module, Any, int], tuple[int, int]]
+    """(model, model_args, seq_len) -> (total parameters, training FLOPs per token)"""
+    state_dict_adapter: type | None = None
 
 
 @dataclass(frozen=True)
@@ -22,12 +39,9 @@ class ModelSpec:
     name: str
     flavors: dict[str, Any]
     """flavor name -> model-args dataclass instance"""
-    model_cls: type[nn.Module]
-    parallelize_fn: Callable[..., nn.Module]
-    """(model or stage, parallel_dims, job_config, param_dtype, ddp=True) -> it with TP/AC/compile/FSDP/DDP"""
-    nparams_and_flops_fn: Callable[[nn.Module, Any, int], tuple[int, int]]
-    """(model, model_args, seq_len) -> (total parameters, training FLOPs per token)"""
-    state_dict_adapter: type | None = None
+    load_torch_side: Callable[[], TorchSide]
+    """imports the model's torch side; called on first use of model_cls, parallelize_fn, nparams_and_flops_fn or
+    state_dict_adapter"""
     pipeline_input_fqns: tuple[str, ...] = ()
     """modules before the blocks (`layers.<i>`), on the first pipeline stage"""
     pipeline_output_fqns: tuple[str, ...] = ()
@@ -37,6 +51,22 @@ class ModelSpec:
     automatic pipeline split balances these (None: each of the three weighs one block)"""
     supports_tensor_parallel: bool = True
     """False: parallelism.tensor_parallel_degree > 1 is refused at config time (no tensor-parallel plan yet)"""
+
+    @property
+    def model_cls(self) -> type[nn.Module]:
+        return self.load_torch_side().model_cls
+
+    @property
+    def parallelize_fn(self) -> Callable[..., nn.Module]:
+        return self.load_torch_side().parallelize_fn
+
+    @property
+    def nparams_and_flops_fn(self) -> Callable[[nn.Module, Any, int], tuple[int, int]]:
+        return self.load_torch_side().nparams_and_flops_fn
+
+    @property
+    def state_dict_adapter(self) -> type | None:
+        return self.load_torch_side().state_dict_adapter
 
 
 def register_model_spec(spec: ModelSpec) -> None:

@@ -176,3 +176,30 @@ deepseek_v3_flavors["debugmodel_small"] = replace(
 )
 # ... with the low-rank query path.
 deepseek_v3_flavors["debugmodel_small_qlora"] = replace(deepseek_v3_flavors["debugmodel_small"], q_lora_rank=32)
+
+
+def attention_flops(a: DeepSeekV3ModelArgs, seq_len: int) -> int:
+    return 6 * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
+
+
+def _block_active_matmul_params(a: DeepSeekV3ModelArgs, layer_id: int) -> int:
+    qk = a.n_heads * a.qk_head_dim
+    q = a.dim * qk if a.q_lora_rank == 0 else a.dim * a.q_lora_rank + a.q_lora_rank * qk
+    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim
+                                                                                       + a.v_head_dim)
+    attention = q + kv + a.n_heads * a.v_head_dim * a.dim
+    if not a.is_moe_layer(layer_id):
+        return attention + 3 * a.dim * a.ffn_hidden_dim
+    moe = a.moe
+    expert = 3 * a.dim * moe.hidden_dim
+    return attention + a.dim * moe.num_experts + expert * (moe.top_k + moe.num_shared_experts)
+
+
+def get_pipeline_unit_flops(model_args: DeepSeekV3ModelArgs, seq_len: int) -> tuple[float, float, float]:
+    """Training FLOPs per token of (the embedding, one block, the final norm + output), counted as in
+    `get_nparams_and_flops`; the automatic pipeline split balances stages by these. The block is the average over
+    all blocks (dense and MoE blocks differ); norms are left out next to the matmuls."""
+    a = model_args
+    per_block = [_block_active_matmul_params(a, i) for i in range(a.n_layers)]
+    block = 6 * sum(per_block) / max(len(per_block), 1) + attention_flops(a, seq_len)
+    return 0.0, float(block), float(6 * a.dim * a.vocab_size)

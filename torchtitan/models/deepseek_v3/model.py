@@ -27,7 +27,7 @@ from torch import nn
 
 from torchtitan.models.decoder import CausalAttention, Decoder, ParamInit, RMSNorm, trunc_normal
 from torchtitan.models.decoder import TransformerBlock as _Block
-from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, yarn_mscale
+from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, attention_flops, yarn_mscale
 from torchtitan.models.llama3.model import apply_rotary_emb
 from torchtitan.models.qwen3.model import get_active_nparams
 
@@ -204,31 +204,6 @@ def get_nparams_and_flops(model: nn.Module, model_args: DeepSeekV3ModelArgs, seq
     n_tied_output = sum(m.weight.numel() for m in model.modules()
                         if isinstance(m, nn.Linear) and id(m.weight) in embedding_ids)
     matmul_params = get_active_nparams(model) - n_embedding + n_tied_output
-    return nparams, 6 * matmul_params + model_args.n_layers * _attention_flops(model_args, seq_len)
+    return nparams, 6 * matmul_params + model_args.n_layers * attention_flops(model_args, seq_len)
 
 
-def _attention_flops(a: DeepSeekV3ModelArgs, seq_len: int) -> int:
-    return 6 * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
-
-
-def _block_active_matmul_params(a: DeepSeekV3ModelArgs, layer_id: int) -> int:
-    qk = a.n_heads * a.qk_head_dim
-    q = a.dim * qk if a.q_lora_rank == 0 else a.dim * a.q_lora_rank + a.q_lora_rank * qk
-    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim
-                                                                                       + a.v_head_dim)
-    attention = q + kv + a.n_heads * a.v_head_dim * a.dim
-    if not a.is_moe_layer(layer_id):
-        return attention + 3 * a.dim * a.ffn_hidden_dim
-    moe = a.moe
-    expert = 3 * a.dim * moe.hidden_dim
-    return attention + a.dim * moe.num_experts + expert * (moe.top_k + moe.num_shared_experts)
-
-
-def get_pipeline_unit_flops(model_args: DeepSeekV3ModelArgs, seq_len: int) -> tuple[float, float, float]:
-    """Training FLOPs per token of (the embedding, one block, the final norm + output), counted as in
-    `get_nparams_and_flops`; the automatic pipeline split balances stages by these. The block is the average over
-    all blocks (dense and MoE blocks differ); norms are left out next to the matmuls."""
-    a = model_args
-    per_block = [_block_active_matmul_params(a, i) for i in range(a.n_layers)]
-    block = 6 * sum(per_block) / max(len(per_block), 1) + _attention_flops(a, seq_len)
-    return 0.0, float(block), float(6 * a.dim * a.vocab_size)

@@ -21,8 +21,8 @@ its heads, and runs the per-token low-rank projections on the sequence shard:
 k_pe leaves DTensor land at `kv_handoff` (the rotary uses complex views and the plain rotary table) as a plain
 full-sequence tensor that every local head uses: its gradient there is this rank's heads' share, so the conversion
 declares it Partial over tp, which makes the all-gather's backward a reduce-scatter that sums every rank's heads
-(`GatherSharedKV`). The config needs n_heads divisible by tp (`tp_divisibility_errors`: MLA reports its heads as
-n_kv_heads too).
+(`GatherSharedKV`). The config needs n_heads divisible by tp (`tp_divisibility_errors` in
+torchtitan/config/validate.py: MLA reports its heads as n_kv_heads too).
 """
 
 from __future__ import annotations

@@ -132,3 +132,13 @@ llama3_flavors["debugmodel_tied"] = replace(llama3_flavors["debugmodel"], tie_wo
 llama3_flavors["debugmodel_small"] = replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2,
                                              vocab_size=512, multiple_of=64)
 llama3_flavors["debugmodel_small_tied"] = replace(llama3_flavors["debugmodel_small"], tie_word_embeddings=True)
+
+
+def get_pipeline_unit_flops(model_args: TransformerModelArgs, seq_len: int) -> tuple[float, float, float]:
+    """Training FLOPs per token of (the embedding, one block, the final norm + output), counted as in
+    `get_nparams_and_flops`: the automatic pipeline split balances stages by these. The lookup counts as free (its
+    backward is a scatter-add); the norms' elementwise work is left out next to the matmuls."""
+    a = model_args
+    attention_weights = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.num_kv_heads * a.head_dim
+    block = 6 * (attention_weights + 3 * a.dim * a.ffn_hidden_dim) + 12 * a.n_heads * a.head_dim * seq_len
+    return 0.0, float(block), float(6 * a.dim * a.vocab_size)

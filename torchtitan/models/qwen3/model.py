@@ -143,21 +143,3 @@ def get_nparams_and_flops(model: nn.Module, model_args: Qwen3ModelArgs, seq_len:
     attention = 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
     return nparams, 6 * matmul_params + attention
 
-
-def _block_active_matmul_params(a: Qwen3ModelArgs, layer_id: int) -> int:
-    attention = 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.num_kv_heads * a.head_dim
-    if not a.is_moe_layer(layer_id):
-        return attention + 3 * a.dim * a.ffn_hidden_dim
-    moe = a.moe
-    expert = 3 * a.dim * moe.hidden_dim
-    return attention + a.dim * moe.num_experts + expert * (moe.top_k + moe.num_shared_experts)
-
-
-def get_pipeline_unit_flops(model_args: Qwen3ModelArgs, seq_len: int) -> tuple[float, float, float]:
-    """Training FLOPs per token of (the embedding, one block, the final norm + output), counted as in
-    `get_nparams_and_flops`; the automatic pipeline split balances stages by these. The block is the average over
-    all blocks (dense and MoE blocks may differ); norms are left out next to the matmuls."""
-    a = model_args
-    per_block = [_block_active_matmul_params(a, i) for i in range(a.n_layers)]
-    block = 6 * sum(per_block) / max(len(per_block), 1) + 12 * a.n_heads * a.head_dim * seq_len
-    return 0.0, float(block), float(6 * a.dim * a.vocab_size)
