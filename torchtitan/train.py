@@ -26,6 +26,7 @@ from torchtitan.components.moe_balance import (
     update_expert_biases,
 )
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.quantization import float8
 from torchtitan.components.step import forward_backward_step
 from torchtitan.components.step_guard import StepGuard, TrainingError
 from torchtitan.components.validate import Validator
@@ -133,6 +134,7 @@ class Trainer:
                                      cfg.training.local_batch_size, self.loss_fn)
 
         self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, self.device.type)
+        self.after_optimizer_step = float8.post_optimizer_step(cfg, self.model_parts)
         # Every rank of an MoE model balances (a pipeline rank whose stages hold no MoE layer still joins the load
         # metric's reduction over pp), so the decision comes from the model args, the same on every rank.
         self.moe_args = getattr(model_args, "moe", None)
@@ -208,7 +210,7 @@ class Trainer:
             self.model_parts, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
             max_norm=self.cfg.training.max_norm, device=self.device, autocast=self.autocast,
             loss_parallel=self.loss_parallel, pipeline=self.pipeline, pp_mesh=self.pp_mesh,
-            should_step=self.guard.should_step,
+            should_step=self.guard.should_step, after_optimizer_step=self.after_optimizer_step,
         )
         if self.moe_layers is not None:  # auxiliary-loss-free balancing, from this step's global expert load
             self.moe_metrics, self.moe_counts = update_expert_biases(self.moe_layers, self.token_mesh, self.pp_mesh,
@@ -222,6 +224,8 @@ class Trainer:
         update and log, before its checkpoint (the parity tests read the parameters there)."""
         gc.disable()  # collect on a fixed cadence instead of at random points inside a step
         gc.collect(1)
+        if self.after_optimizer_step is not None:  # float8: the first all-gather's scales, as every later one's
+            self.after_optimizer_step()
         try:
             with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank, self.device.type, self.first_step,
                                self.cfg.training.steps) as profiler:

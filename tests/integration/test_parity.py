@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.conftest import mesh_shape, train_layout
-from tests.integration.layouts import ALL_LAYOUTS, REFERENCES, dp
+from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import (
     TENSOR_TOLERANCE,
     TOLERANCE,
@@ -151,6 +151,27 @@ def test_the_harness_sees_one_wrong_gradient(case, nproc, args, norm_factor, ref
                 assert rel > 100 * TOLERANCE["grad"], (step, name, rel)
                 if step == 1:  # the same weights, the gradient off by exactly the factor
                     assert rel == pytest.approx(abs(factor - 1), rel=1e-4), (name, rel)
+
+
+def test_float8_scales_come_from_the_whole_tensor(pools, tmp_path):
+    """Under TP each rank holds part of every weight and of the row-parallel layers' inputs: a float8 scale from
+    this rank's part alone (the amax not reduced over the tp mesh) quantizes differently on each rank. With scales
+    rounded to powers of 2 (the parity layouts) a rank's own amax mostly rounds to the same scale and the bug
+    hides, so this runs torchao's unrounded tensorwise scales: TP 2 then matches its 1-process run in loss and
+    gradient norm within the float32 tolerances (7e-8 and 4e-8 measured), and with the bug it must not."""
+    (layout,) = [layout for layout in FLOAT8_LAYOUTS if layout.name == "float8_tp2"]
+
+    def unrounded(args: tuple[str, ...]) -> tuple[str, ...]:
+        return (*args, "--float8.round_scales_to_power_of_2", "false")
+
+    ref = train_layout(pools, 1, unrounded(REFERENCES["single_process_float8"].overrides), tmp_path / "ref")
+    runs = {fault: train_layout(pools, layout.nproc, unrounded(layout.overrides), tmp_path / str(fault),
+                                faults=((fault,),) if fault else ()) for fault in (None, "local_float8_amax")}
+    metric_problems = {fault: [line for line in compare(run, ref) if line.split(": ")[1].split()[0] in TOLERANCE]
+                       for fault, run in runs.items()}
+    assert metric_problems[None] == [], metric_problems[None][:5]
+    assert any(line.startswith("step 1: ") for line in metric_problems["local_float8_amax"]), \
+        metric_problems["local_float8_amax"][:5]
 
 
 def test_the_harness_sees_values_in_the_wrong_place(reference, pools, tmp_path):

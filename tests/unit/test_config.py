@@ -601,11 +601,26 @@ INVALID_VALUES = [
      "parallelism.expert_tensor_parallel_degree"),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3"],
      "parallelism.expert_parallel_degree"),
+    # float8 (the checks that need a model or torchao: tests/unit/test_float8.py)
+    (["--model.converters", "int8"], "model.converters"),
+    (["--model.converters", "float8,float8"], "model.converters: ['float8', 'float8'] names a converter twice"),
+    (["--float8.recipe_name", "rowwise"], "float8.recipe_name: set, but model.converters does not include"),
+    (["--float8.enable_fsdp_float8_all_gather"], "float8.enable_fsdp_float8_all_gather: set, but model.converters"),
+    (["--float8.precompute_float8_dynamic_scale_for_fsdp"], "float8.precompute_float8_dynamic_scale_for_fsdp: set"),
+    (["--float8.filter_fqns", "output"], "float8.filter_fqns: set, but model.converters does not include"),
+    (["--float8.skip_small_layers", "false"], "float8.skip_small_layers: set, but model.converters does not include"),
+    (["--model.converters", "float8", "--float8.recipe_name", "mxfp8"], "float8.recipe_name"),
+    (["--model.converters", "float8", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+     "float8.enable_fsdp_float8_all_gather"),
+    (["--model.converters", "float8", "--float8.precompute_float8_dynamic_scale_for_fsdp"],
+     "float8.precompute_float8_dynamic_scale_for_fsdp"),
+    (["--float8.round_scales_to_power_of_2", "true"], "float8.round_scales_to_power_of_2: set, but model.converters"),
+    (["--model.converters", "float8", "--float8.round_scales_to_power_of_2", "true",
+      "--float8.enable_fsdp_float8_all_gather"], "float8.round_scales_to_power_of_2"),
 ]
 
 NOT_AVAILABLE = [
     (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward"),
-    (["--model.converters", "float8"], "model.converters"),
     (["--training.enable_cpu_offload"], "training.enable_cpu_offload"),
     (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode"),
     # keys of features still to come are refused at any non-default value, with the feature's degree at 1

@@ -171,6 +171,11 @@ ACCURACY = {
     # runs; 1.0 gives 280.6, 2.0 gives 312.7, above the busier rank)
     "moe_fsdp2_ep2": (2, ["--training.local_batch_size", "4", "--model.name", "qwen3", "--model.flavor",
                           "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"], 0.05),
+    # float8 (torchao): every block's Linear layers in float8 with the float8 all-gather and precomputed scales: the
+    # weights' float8 copies, the casts of inputs and gradients, the scales
+    "fsdp2_float8_all_gather": (2, ["--training.local_batch_size", "4", "--model.converters", "float8",
+                                    "--float8.skip_small_layers", "false", "--float8.enable_fsdp_float8_all_gather",
+                                    "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"], 0.05),
 }
 
 # Pipeline cases by id: (pipeline ranks, schedule, local batch: that many pipeline micro-batches of 1 sequence).

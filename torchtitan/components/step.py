@@ -30,6 +30,7 @@ def forward_backward_step(
     pp_mesh=None,
     on_phase: Callable[[str, int | None], None] | None = None,
     should_step: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+    after_optimizer_step: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward every micro-batch, clip, step. Returns (local loss sum, grad norm before clipping).
 
@@ -43,6 +44,7 @@ def forward_backward_step(
     `on_phase(kind, micro_batch)` is told forward / loss / backward (per micro-batch) and optimizer.
     `should_step(local loss sum, grad norm)`, asked after the norm and before clipping, can veto the update
     (the trainer's non-finite check); the gradients are then left as they are for the next zero_grad.
+    `after_optimizer_step()` runs after each update (float8's scale precompute, torchtitan/components/quantization).
     """
     phase = on_phase or (lambda kind, micro: None)
     optimizer.zero_grad(set_to_none=True)
@@ -76,5 +78,7 @@ def forward_backward_step(
     if should_step is None or should_step(local_loss_sum, grad_norm):
         clip_grads_(params, max_norm, grad_norm)
         optimizer.step()
+        if after_optimizer_step is not None:
+            after_optimizer_step()
     return local_loss_sum, grad_norm
 

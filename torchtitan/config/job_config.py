@@ -32,7 +32,7 @@ class Model:
     tokenizer_path: str = ""
     """tokenizer.json file or a folder holding one ("" = the default BPE trained on the embedded corpus)"""
     converters: list[str] = field(default_factory=list)
-    """Model converters applied after building, e.g. ["float8"] (not available yet)"""
+    """Model converters applied after building and before parallelisms: [] or ["float8"] (the [float8] section)"""
     attn_mask_type: str = "causal"
     """causal (every earlier token of the packed row) | block_causal (only its own document's; docs/data.md)"""
 
@@ -301,6 +301,22 @@ class Moe:
 
 
 @dataclass
+class Float8:
+    recipe_name: str = "tensorwise"
+    """Scaling of float8 matmuls (torchao): tensorwise | rowwise | rowwise_with_gw_hp (docs/float8.md)"""
+    enable_fsdp_float8_all_gather: bool = False
+    """tensorwise only: FSDP all-gathers float8 weights (half the bytes of bf16)"""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With the float8 all-gather: every weight's scale in one all-reduce after the optimizer step"""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linear layers kept in high precision: those whose name contains one of these (output and routers always)"""
+    skip_small_layers: bool = True
+    """Keep layers under torchao's size thresholds in high precision (false: convert all with dims divisible by 16)"""
+    round_scales_to_power_of_2: bool | None = None
+    """Round scales down to powers of 2 (exact rescaling; unset = the recipe's choice: rowwise yes, tensorwise no)"""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -318,3 +334,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     moe: Moe = field(default_factory=Moe)
+    float8: Float8 = field(default_factory=Float8)

@@ -28,7 +28,26 @@ def check_job(argv: Sequence[str] | None, world_size: int) -> tuple[JobConfig, R
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: run it on 1 process (NGPU=1), not {world_size}")
     check_profiling_device(cfg.profiling, device_type)
+    if "float8" in cfg.model.converters:
+        _check_float8(cfg, device_type)
     return cfg, resolved
+
+
+def _check_float8(cfg: JobConfig, device_type: str) -> None:
+    """torchao, the GPU's float8 support and the layer filter, on a meta model of the flavor (ConfigError)."""
+    from torchtitan.components.model_parts import model_args_for
+    from torchtitan.components.quantization import float8
+    from torchtitan.models.registry import get_model_spec
+
+    try:
+        float8.check(cfg, get_model_spec(cfg.model.name).model_cls, model_args_for(cfg), device_type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if device_type == "cuda" and not cfg.compile.enable:
+        from torchtitan.tools.logging import logger
+
+        logger.warning("float8 without torch.compile (compile.enable false): the casts to float8 run as separate "
+                       "kernels and the run is usually slower than bf16; docs/float8.md")
 
 
 def checked_tokenizer(cfg: JobConfig, model_vocab_size: int):

@@ -43,7 +43,6 @@ def _not_yet(key: str, what: str) -> None:
 NOT_YET: dict[str, str] = {
     "parallelism.context_parallel_rotate_method": "torch's rotating context-parallel attention (the all-gather one "
                                                   "is built in: docs/parallelism.md)",
-    "model.converters": "model converters",
     "optimizer.early_step_in_backward": "stepping in backward",
     "training.enable_cpu_offload": "CPU offload",
     "memory_estimation.disable_fake_mode": "estimating with real tensors",
@@ -67,6 +66,7 @@ def check_values(cfg: JobConfig) -> None:
     _check_not_yet(cfg)  # after the range checks: a degree of 0 is invalid, not a feature still to come
     _check_checkpoint(cfg)
     _check_profiling(cfg)
+    _check_float8(cfg)
     check_moe(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
@@ -303,6 +303,36 @@ def _check_checkpoint(cfg: JobConfig) -> None:
         _err("checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
     if c.create_seed_checkpoint and not c.enable:
         _err("checkpoint.create_seed_checkpoint: needs checkpoint.enable = true (the seed goes into checkpoint.folder)")
+
+
+CONVERTERS = ("float8",)
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _check_float8(cfg: JobConfig) -> None:
+    converters = cfg.model.converters
+    for name in converters:
+        _one_of("model.converters", name, CONVERTERS)
+    if len(set(converters)) != len(converters):
+        _err(f"model.converters: {converters} names a converter twice")
+    f8, default = cfg.float8, type(cfg.float8)()
+    if "float8" not in converters:
+        for key in ("recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+                    "filter_fqns", "skip_small_layers", "round_scales_to_power_of_2"):
+            if getattr(f8, key) != getattr(default, key):
+                _err(f"float8.{key}: set, but model.converters does not include \"float8\"")
+        return
+    _one_of("float8.recipe_name", f8.recipe_name, FLOAT8_RECIPES)
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        _err(f"float8.enable_fsdp_float8_all_gather: needs recipe_name tensorwise (one scale per weight), "
+             f"not {f8.recipe_name}")
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        _err("float8.precompute_float8_dynamic_scale_for_fsdp: needs float8.enable_fsdp_float8_all_gather")
+    if f8.round_scales_to_power_of_2 and f8.enable_fsdp_float8_all_gather and \
+            not f8.precompute_float8_dynamic_scale_for_fsdp:
+        _err("float8.round_scales_to_power_of_2: with the float8 all-gather, needs "
+             "float8.precompute_float8_dynamic_scale_for_fsdp (torchao's all-gather does not round the scales it "
+             "computes itself)")
 
 
 def _check_profiling(cfg: JobConfig) -> None:

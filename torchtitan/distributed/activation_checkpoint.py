@@ -18,6 +18,11 @@ from torchtitan.tools.logging import logger
 # would cost most of a forward pass; recompute everything else (norms, activations, rotary, elementwise),
 # which is cheap in FLOPs but holds most of the activation memory.
 _SAVE_OPS = {
+    # float8 (torchtitan/components/quantization/float8.py): the amax a scale comes from, so that recomputing a block
+    # neither computes it again nor, under TP, reduces it again over the tp mesh
+    torch.ops.aten.max.default,
+    torch.ops.aten.amax.default,
+    torch.ops.aten._scaled_mm.default,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,

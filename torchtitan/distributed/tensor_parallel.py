@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.quantization import float8
 from torchtitan.tools.logging import logger
 
 
@@ -90,7 +91,10 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
         # DTensor serves both; parallelize_module replaced it twice, so restore the single shared parameter.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block) if callable(block_plan) else block_plan)
+        plan = block_plan(block) if callable(block_plan) else block_plan
+        # float8 (torchtitan/components/quantization/float8.py): tensorwise layers take the float8 styles
+        plan = {name: float8.tp_style(block.get_submodule(name), style, tp_mesh) for name, style in plan.items()}
+        parallelize_module(block, tp_mesh, plan)
     # The sequence-sharded embedding output is a view of a DTensor's local tensor, and FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. The blocks only use out-of-place residual adds
     # (`h = x + ...`), so the warning describes nothing that can happen here.

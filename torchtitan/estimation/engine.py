@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.model_parts import build_model_parts, model_args_for
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.quantization import float8
 from torchtitan.components.step import forward_backward_step
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
@@ -33,6 +34,7 @@ from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
     TrackingFakeTensorMode,
+    local_tensors,
     untracked_dtensor_metadata,
 )
 from torchtitan.models.registry import get_model_spec
@@ -94,8 +96,8 @@ def _storage_ids(tensors) -> set[int]:
     for t in tensors:
         if t is None:
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        out.add(id(local.untyped_storage()))
+        # the plain tensors that hold the data: a DTensor's local shard, a wrapper subclass's inner tensors (float8)
+        out.update(id(local.untyped_storage()) for local in local_tensors(t))
     return out
 
 
@@ -255,6 +257,9 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
     """`steps` training steps on random tokens through the trainer's own step (forward_backward_step). Shared by
     the estimator (fake tensors) and the accuracy tests (real ones)."""
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    after_optimizer_step = float8.post_optimizer_step(cfg, parts)
+    if after_optimizer_step is not None:  # as the trainer does before its first step
+        after_optimizer_step()
     for step in range(1, steps + 1):
         def on_phase(kind: str, micro: int | None, step: int = step) -> None:
             detail = f", micro-batch {micro + 1}/{grad_accum}" if micro is not None else ""
@@ -265,7 +270,8 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
         forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
                               loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
                               device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,
-                              pipeline=pipeline, pp_mesh=pp_mesh, on_phase=on_phase)
+                              pipeline=pipeline, pp_mesh=pp_mesh, on_phase=on_phase,
+                              after_optimizer_step=after_optimizer_step)
         del microbatches
         set_phase(f"between steps (step {step})")
 

@@ -69,16 +69,19 @@ class Timeline:
         return [r for r in self.records if r.born <= t and (r.died is None or r.died > t)]
 
 
-def _local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     if isinstance(t, DTensor):
-        return _local_tensors(t._local_tensor)
+        return local_tensors(t._local_tensor)
     if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
+        try:
+            names, _ = t.__tensor_flatten__()
+        except RuntimeError:  # torchao 0.18's float8 weight truth-tests its scale here, which a fake tensor refuses
+            names = [name for name, value in vars(t).items() if isinstance(value, torch.Tensor)]
         out = []
         for name in names:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):
-                out += _local_tensors(inner)
+                out += local_tensors(inner)
         return out
     return [t]
 
@@ -112,7 +115,7 @@ class MemoryTracker:
 
     def track(self, t: torch.Tensor, op: str = "existing") -> None:
         """Register a tensor's storage (or re-measure it if it changed size since)."""
-        for local in _local_tensors(t):
+        for local in local_tensors(t):
             storage = local.untyped_storage()
             key = id(storage)
             slot = self._slots.get(key)
