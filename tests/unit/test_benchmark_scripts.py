@@ -4,8 +4,13 @@ multi-process benchmarks have theirs in tests/integration/.)"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 from pathlib import Path
+
+from tests.scripts import load_script
+from tests.unit.forked import in_child
 
 
 def _script(name: str):
@@ -24,6 +29,24 @@ def test_benchmark_checkpoint_prints_every_row(tmp_path: Path, capsys) -> None:
                 "save_hf (whole state dict)", "export by rows", "load_hf + load_state_dict", "import by rows"):
         assert row in out, (row, out)
     assert list(tmp_path.iterdir()) == []  # the benchmark's folder is removed
+
+
+def _benchmark_float8_output(argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        load_script("benchmark_float8").main(argv)
+    return out.getvalue()
+
+
+def test_benchmark_float8_prints_a_row_per_variant() -> None:
+    # In a child: the script creates its own (1-process) process group.
+    out = in_child(_benchmark_float8_output, ["--variants", "bf16,tensorwise", "--steps", "2", "--warmup", "1",
+                                              "--all-layers", "--", "--model.flavor", "debugmodel_small",
+                                              "--training.seq_len", "32", "--training.local_batch_size", "2"])
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| variant")}
+    assert set(rows) == {"bf16", "tensorwise"}, out
+    assert rows["bf16"][1].strip() == "1.00" and float(rows["tensorwise"][1]) > 0, out
 
 
 def test_benchmark_data_prints_its_ratio_row(capsys) -> None:
