@@ -109,8 +109,7 @@ def convert(model: nn.Module, cfg: JobConfig) -> Plan:
     f8 = cfg.float8
     todo = plan(model, f8)
     if not todo.converted:
-        raise ValueError(f"model.converters: float8 converts none of the {len(todo.skipped)} Linear layers of "
-                         f"{cfg.model.name}/{cfg.model.flavor} ({_reasons(todo)}); see docs/float8.md")
+        raise ValueError(_nothing_converts(cfg, todo))
     config = float8.Float8LinearConfig.from_recipe_name(f8.recipe_name)
     if f8.enable_fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
@@ -129,8 +128,12 @@ def convert(model: nn.Module, cfg: JobConfig) -> Plan:
     return todo
 
 
-def _reasons(todo: Plan) -> str:
-    return "; ".join(f"{count} {why}" for why, count in Counter(todo.skipped.values()).items())
+def _nothing_converts(cfg: JobConfig, todo: Plan) -> str:
+    reasons = "; ".join(f"{count} {why}" for why, count in Counter(todo.skipped.values()).items())
+    small = any(why.startswith("below") for why in todo.skipped.values())
+    hint = "; --float8.skip_small_layers false converts the small ones anyway" if small else ""
+    return (f"model.converters: float8 converts none of the {len(todo.skipped)} Linear layers of "
+            f"{cfg.model.name}/{cfg.model.flavor} ({reasons}){hint}; see docs/float8.md")
 
 
 def tp_style(module: nn.Module, style, tp_mesh):
@@ -212,5 +215,4 @@ def check(cfg: JobConfig, model_cls: type[nn.Module], model_args, device_type: s
                              f"{cfg.model.flavor} (e.g. {', '.join(linear[:3])})")
     todo = plan(model, cfg.float8)
     if not todo.converted:
-        raise ValueError(f"model.converters: float8 converts none of the {len(todo.skipped)} Linear layers of "
-                         f"{cfg.model.name}/{cfg.model.flavor} ({_reasons(todo)}); see docs/float8.md")
+        raise ValueError(_nothing_converts(cfg, todo))
