@@ -229,26 +229,40 @@ DEEPSEEK_LAYOUTS = [
 ]
 ALL_LAYOUTS += DEEPSEEK_LAYOUTS
 
-# Float8 (torchao's tensorwise recipe, real float8 matmuls on CPU): every layout against the 1-process float8 run.
-# The debug model's layers are all below torchao's size thresholds, so every eligible layer is forced to convert (28
-# of 29; the output projection stays in fp32). Scales are rounded down to powers of 2: with torchao's unrounded
-# tensorwise scales, float32 reduction-order noise moves a scale by an ulp and flips float8 roundings, and the noise
-# floor (the reference summed in another order) is 1e-5 in the loss and up to 4e-2 in one tensor's values, too
-# coarse to see a wrong reduction; rounded, it is 0 and 4e-5 (docs/float8.md).
+# Float8 (torchao's tensorwise recipe, real float8 matmuls on CPU). The debug model's layers are all below torchao's
+# size thresholds, so every eligible layer is forced to convert (28 of 29; the output projection stays in fp32).
+# An activation's scale comes from the rows of the forward that casts it: a data-parallel rank's local batch, a
+# pipeline micro-batch (TP reduces it over the tp ranks). So each layout is compared with the 1-process float8 run
+# whose forwards take the same rows, in training and validation; CP, whose ranks scale their own part of each
+# sequence, has no such run and is compared with the plain one. Scales are rounded down to powers of 2: with
+# torchao's unrounded ones, float32 reduction-order noise moves a scale by an ulp and flips float8 roundings, up
+# to 1e-5 in the loss and 4e-2 in one tensor's values, too coarse to see a wrong reduction (docs/float8.md).
 _FLOAT8 = ("--model.converters", "float8", "--float8.skip_small_layers", "false",
            "--float8.round_scales_to_power_of_2", "true")
 _FLOAT8_ALL_GATHER = ("--float8.enable_fsdp_float8_all_gather", "true",
                       "--float8.precompute_float8_dynamic_scale_for_fsdp", "true")
-REFERENCES["single_process_float8"] = Layout("single_process_float8", 1, (*dp(8, 1), *_FLOAT8))
-FLOAT8_LAYOUTS = [Layout(name, nproc, (*overrides, *_FLOAT8), reference="single_process_float8")
-                  for name, nproc, overrides in (
+
+
+def _float8_reference(rows: int, val_rows: int) -> str:
+    """The 1-process float8 run whose forwards take `rows` sequences (`val_rows` in validation, over as many
+    validation steps as cover the same 8 sequences), registered."""
+    name = "single_process_float8" if (rows, val_rows) == (8, 8) else f"single_process_float8_rows{rows}_val{val_rows}"
+    REFERENCES[name] = Layout(name, 1, ("--training.local_batch_size", str(rows), "--validation.local_batch_size",
+                                        str(val_rows), "--validation.steps", str(GLOBAL_BATCH // val_rows), *_FLOAT8))
+    return name
+
+
+FLOAT8_LAYOUTS = [Layout(name, nproc, (*overrides, *_FLOAT8), reference=_float8_reference(rows, val_rows))
+                  for name, nproc, rows, val_rows, overrides in (
     # weights all-gathered in float8, their scales precomputed in one all-reduce after each optimizer step
-    ("float8_fsdp2_all_gather_accum", 2, (*dp(2, 2), *_FLOAT8_ALL_GATHER)),
-    ("float8_hsdp2x2_all_gather", 4, (*dp(2, 4), *_REPLICATE, "2", *_FLOAT8_ALL_GATHER)),
-    ("float8_tp2", 2, (*dp(8, 1), *_TP2)),
-    ("float8_fsdp2_tp2_all_gather_op_ac", 4, (*dp(4, 2), *_TP2, *_FLOAT8_ALL_GATHER, "--activation_checkpoint.mode",
-                                              "selective", "--activation_checkpoint.selective_ac_option", "op")),
-    ("float8_pp2_1f1b", 2, (*dp(8, 1), *pp("1F1B"))),
-    ("float8_cp2", 2, (*dp(8, 1), *_CP2)),
+    ("float8_fsdp2_all_gather_accum", 2, 2, 4, (*dp(2, 2), *_FLOAT8_ALL_GATHER)),
+    ("float8_hsdp2x2_all_gather", 4, 2, 2, (*dp(2, 4), *_REPLICATE, "2", *_FLOAT8_ALL_GATHER)),
+    ("float8_tp2", 2, 8, 8, (*dp(8, 1), *_TP2)),
+    ("float8_fsdp2_tp2_all_gather_op_ac", 4, 4, 4, (*dp(4, 2), *_TP2, *_FLOAT8_ALL_GATHER,
+                                                    "--activation_checkpoint.mode", "selective",
+                                                    "--activation_checkpoint.selective_ac_option", "op")),
+    # pipeline micro-batches of 1 sequence (pipeline_parallel_microbatch_size), in validation too
+    ("float8_pp2_1f1b", 2, 1, 1, (*dp(8, 1), *pp("1F1B"))),
+    ("float8_cp2", 2, 8, 8, (*dp(8, 1), *_CP2)),
 )]
 ALL_LAYOUTS += FLOAT8_LAYOUTS
