@@ -6,8 +6,8 @@ gradient) run in float8 with dynamic scales, while parameters, gradients, optimi
 high precision under the same names. What composes, and how:
 - FSDP/HSDP: with `enable_fsdp_float8_all_gather` (tensorwise), a weight is cast to float8 before FSDP's
   all-gather, so half the bytes of bf16 cross the wire; its scale then needs the amax of the whole weight, one
-  all-reduce per weight at each all-gather, or one for all of them after the optimizer step with
-  `precompute_float8_dynamic_scale_for_fsdp` (`post_optimizer_step`).
+  all-reduce per weight at each all-gather, or one for all of them after each optimizer step (and once before the
+  first) with `precompute_float8_dynamic_scale_for_fsdp` (`post_optimizer_step`).
 - Tensor parallel: on GPUs, tensorwise layers take torchao's float8 colwise/rowwise styles (`tp_style`); rowwise
   layers, and every layer on CPU (gloo has no float8 collectives), keep the plain styles. Either way the layer
   casts DTensors, whose amax is reduced over the tp mesh, so every rank scales alike. The blocks' sequence
