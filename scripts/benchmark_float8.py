@@ -15,11 +15,8 @@ starts from the same initialisation and data, and reports the median over the st
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import one_process  # noqa: E402
 from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
@@ -87,27 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
 
-    os.environ.setdefault("MASTER_ADDR", "localhost")
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    from torchtitan.config.manager import read_args
-    from torchtitan.distributed.utils import init_distributed
-    from torchtitan.models.registry import get_model_spec
-    from torchtitan.tools.logging import init_logger
-
-    init_logger()
-    base = ["--job.config_file", opts.config, "--training.steps", str(opts.steps), "--metrics.log_freq", "1",
-            "--job.print_config", "false", "--checkpoint.enable", "false", *common]
-    if opts.n_layers:
-        cfg = read_args(base)
-        flavors = get_model_spec(cfg.model.name).flavors
-        cut = f"{cfg.model.flavor}_{opts.n_layers}blocks"
-        flavors[cut] = dataclasses.replace(flavors[cfg.model.flavor], n_layers=opts.n_layers)
-        base += ["--model.flavor", cut]
+    base = one_process.start(opts.config, opts.steps, common, opts.n_layers)
     import torch
-
-    init_distributed(300)
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in opts.variants.split(","):

@@ -17,12 +17,9 @@ in docs/models.md and docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
-import os
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import one_process  # noqa: E402
 from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
@@ -97,27 +95,8 @@ def main() -> None:
     parser.add_argument("--json", default="", help="write every step of every variant here")
     opts = parser.parse_args(argv)
 
-    os.environ.setdefault("MASTER_ADDR", "localhost")
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    from torchtitan.config.manager import read_args
-    from torchtitan.distributed.utils import init_distributed
-    from torchtitan.models.registry import get_model_spec
-    from torchtitan.tools.logging import init_logger
-
-    init_logger()
-    base = ["--job.config_file", opts.config, "--training.steps", str(opts.steps), "--metrics.log_freq", "1",
-            "--job.print_config", "false", "--checkpoint.enable", "false", *common]
-    if opts.n_layers:
-        cfg = read_args(base)
-        flavors = get_model_spec(cfg.model.name).flavors
-        cut = f"{cfg.model.flavor}_{opts.n_layers}blocks"
-        flavors[cut] = dataclasses.replace(flavors[cfg.model.flavor], n_layers=opts.n_layers)
-        base += ["--model.flavor", cut]
+    base = one_process.start(opts.config, opts.steps, common, opts.n_layers)
     import torch
-
-    init_distributed(300)
     results, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for i, variant in enumerate(opts.variant):

@@ -265,6 +265,17 @@ def from_step(run: dict, first: int) -> dict:
     return {"metrics": metrics, "params": run["params"][-len(metrics):], "grads": run["grads"][-len(metrics):]}
 
 
+def assert_continues_bitwise(resumed: dict, straight: dict, saved: int, steps: int) -> None:
+    """A run resumed from the checkpoint of step `saved` trained steps saved+1..steps exactly as the straight run
+    did: loss, gradient norm, validation loss and every parameter."""
+    assert [m["step"] for m in resumed["metrics"]] == list(range(saved + 1, steps + 1)), f"must resume after {saved}"
+    expected = from_step(straight, saved + 1)
+    for got, ref in zip(resumed["metrics"], expected["metrics"], strict=True):
+        assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
+                                                                         ref.get("val_loss")), (got, ref)
+    assert resumed["params"] == expected["params"]
+
+
 # ---- faults and mutations the tests inject into a built Trainer (never into production code) -------------------
 
 def _nan_gradient(trainer, module_fqn: str, step: int, rank: int) -> None:

@@ -16,7 +16,7 @@ import pytest
 from tests.integration.conftest import setup_error, train_layout
 from tests.integration.launch import REPO, kill_tree, run_train, start_train
 from tests.integration.layouts import COMMON, dp
-from tests.integration.parity import compare, from_step, run_layout
+from tests.integration.parity import assert_continues_bitwise, compare, from_step, run_layout
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +64,7 @@ def test_resume_same_layout_is_bitwise_identical(straight_fsdp4, pools, tmp_path
     folder, straight = straight_fsdp4
     _resume_from(folder, SAVED, tmp_path)
     resumed = train_layout(pools, 4, (*CKPT, *FSDP4), tmp_path)
-    assert [m["step"] for m in resumed["metrics"]] == list(range(SAVED + 1, STEPS + 1)), "must resume after SAVED"
-    expected = from_step(straight, SAVED + 1)
-    for got, ref in zip(resumed["metrics"], expected["metrics"], strict=True):
-        assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
-                                                                         ref.get("val_loss")), (got, ref)
-    assert resumed["params"] == expected["params"]
+    assert_continues_bitwise(resumed, straight, SAVED, STEPS)
 
 
 def test_resume_on_hsdp_continues_the_curve(straight_fsdp4, pools, tmp_path):

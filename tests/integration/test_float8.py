@@ -26,7 +26,7 @@ import pytest
 
 from tests.integration.conftest import mesh_shape, train_layout
 from tests.integration.layouts import COMMON, dp
-from tests.integration.parity import from_step, run_layout
+from tests.integration.parity import assert_continues_bitwise, from_step, run_layout
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +63,6 @@ def _losses(run: dict) -> list[float]:
     return [m["loss"] for m in run["metrics"]]
 
 
-def _assert_bitwise_continuation(resumed: dict, straight: dict) -> None:
-    assert [m["step"] for m in resumed["metrics"]] == list(range(SAVED + 1, STEPS + 1)), "must resume after SAVED"
-    expected = from_step(straight, SAVED + 1)
-    for got, ref in zip(resumed["metrics"], expected["metrics"], strict=True):
-        assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
-                                                                         ref.get("val_loss")), (got, ref)
-    assert resumed["params"] == expected["params"]
-
-
 def _resume_gaps(resumed: dict, straight: dict) -> dict[str, float]:
     """The largest relative gap of loss and validation loss over the resumed steps."""
     assert [m["step"] for m in resumed["metrics"]] == list(range(SAVED + 1, STEPS + 1)), "must resume after SAVED"
@@ -106,7 +97,8 @@ def test_float8_changes_the_curve(float8_one_process, plain_one_process):
 def test_float8_resume_continues_the_float8_curve_bitwise(float8_one_process, pools, tmp_path):
     folder, straight = float8_one_process
     _resume_from(folder, SAVED, tmp_path)
-    _assert_bitwise_continuation(train_layout(pools, 1, (*CKPT, *ONE_PROCESS, *FLOAT8), tmp_path), straight)
+    assert_continues_bitwise(train_layout(pools, 1, (*CKPT, *ONE_PROCESS, *FLOAT8), tmp_path), straight, SAVED,
+                             STEPS)
 
 
 def test_float8_checkpoint_resumes_without_float8_near_the_float8_curve(float8_one_process, pools, tmp_path):
@@ -158,7 +150,7 @@ def test_float8_all_gather_resume_on_fsdp2_is_bitwise_identical(rounding, float8
     folder, straight = float8_fsdp2(rounding)
     _resume_from(folder, SAVED, tmp_path)
     resumed = train_layout(pools, 2, (*CKPT, *FSDP2, *FLOAT8, *FLOAT8_ALL_GATHER, *rounding), tmp_path)
-    _assert_bitwise_continuation(resumed, straight)
+    assert_continues_bitwise(resumed, straight, SAVED, STEPS)
 
 
 def test_float8_all_gather_checkpoint_resumes_on_one_process_without_float8(float8_fsdp2, pools, tmp_path):
