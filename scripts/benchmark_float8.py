@@ -2,7 +2,7 @@
 CPU): tokens/s, its ratio to the first variant, MFU (counted with bf16 FLOPs, as every run reports it), the loss
 and the peak memory.
 
-    python scripts/benchmark_float8.py --config train_configs/llama3_8b.toml --n-layers 8 --steps 30 \
+    python scripts/benchmark_float8.py --config train_configs/llama3_8b.toml --steps 30 --n-layers 8 \
         [--variants bf16,tensorwise,tensorwise_all_gather,rowwise,rowwise_with_gw_hp] [--all-layers] \
         [-- overrides for all]
 

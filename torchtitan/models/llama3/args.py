@@ -124,6 +124,9 @@ llama3_flavors: dict[str, TransformerModelArgs] = {
     "405B": _published(16384, 126, 128, 1.2, 4096, 8.0, tie=False),
 }
 
+# The 8B block shape cut to 8 blocks (2.80B parameters with the 128K vocabulary): trains on one 80 GB GPU with AdamW
+# state, for benchmarks of the 8B shape's kernels (scripts/benchmark_float8.py, docs/performance.md).
+llama3_flavors["8B_8blocks"] = replace(llama3_flavors["8B"], n_layers=8)
 # The debug model with tied embedding/output, the layout of the 1B and 3B flavors, for CPU tests.
 llama3_flavors["debugmodel_tied"] = replace(llama3_flavors["debugmodel"], tie_word_embeddings=True)
 # The parity tests' model: layouts of up to 8 ranks share 2 CPU cores, where every collective's latency and bytes
