@@ -9,6 +9,8 @@ import importlib.util
 import io
 from pathlib import Path
 
+import pytest
+
 from tests.scripts import load_script
 from tests.unit.forked import in_child
 
@@ -54,3 +56,19 @@ def test_benchmark_data_prints_its_ratio_row(capsys) -> None:
                                     "--batch", "2", "--debug-tps", "1000"])
     out = capsys.readouterr().out
     assert "max dp (8B)" in out and "consumption:" in out, out
+
+
+def test_gpu_check_smoke_trains_estimates_and_prints_its_table(capsys) -> None:
+    # The CPU smoke mode of the one-command GPU check, one check of it (the others are the documented commands
+    # other tests run): a launch through run_train.sh, its metrics, and the estimator's verdict for the same job.
+    code = load_script("gpu_check").main(["--smoke", "--only", "eager", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    (row,) = [line for line in out.splitlines() if line.startswith("| eager |")]
+    assert "| ok |" in row and "tokens/s" in row and "estimate peak" in row and "(fits)" in row, row
+
+
+def test_gpu_check_names_an_unknown_check() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("gpu_check").main(["--only", "eager,speed"])
+    assert exit_info.value.code == 2
