@@ -538,7 +538,7 @@ INVALID_VALUES = [
     (["--training.mixed_precision_param", "float16"], "training.mixed_precision_param"),
     (["--training.mixed_precision_reduce", "fp8"], "training.mixed_precision_reduce"),
     (["--training.dataset_streaming", "maybe"], "training.dataset_streaming"),
-    (["--training.num_workers", "-1"], "training.num_workers"),
+    (["--training.num_workers", "-2"], "training.num_workers"),
     (["--training.on_nonfinite", "ignore"], "training.on_nonfinite"),
     (["--training.dataset", "c4", "--training.dataset_mixture", "c4:1"], "training.dataset_mixture"),
     # validation (checked only when enabled, except the streaming choice)

@@ -144,3 +144,12 @@ def test_workers_exit_with_the_trainer() -> None:
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 3, out.stderr
     _wait_until_gone(pids)
+
+
+def test_default_workers_tokenize_ahead_on_gpu_and_inline_on_cpu() -> None:
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.train import data_workers
+
+    assert JobConfig().training.num_workers == -1
+    assert data_workers(-1, "cuda") == 2 and data_workers(-1, "cpu") == 0
+    assert data_workers(0, "cuda") == 0 and data_workers(3, "cpu") == 3  # a number set is the number used

@@ -84,8 +84,8 @@ class Training:
     """Split of a hub or local dataset to read"""
     dataset_streaming: str = "auto"
     """auto | true | false: stream instead of loading into the datasets cache (auto: hub and local data > 1 GB)"""
-    num_workers: int = 0
-    """Dataloader worker processes that tokenize in parallel (0 = tokenize in the training process)"""
+    num_workers: int = -1
+    """Processes per rank that tokenize ahead of the step (0 = the training process does; -1 = 2 on GPU, 0 on CPU)"""
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank"""
     global_batch_size: int = -1

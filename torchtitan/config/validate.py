@@ -122,8 +122,8 @@ def _check_training(cfg: JobConfig) -> None:
     _one_of("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
     _one_of("training.dataset_streaming", t.dataset_streaming, ("auto", "true", "false"))
     _one_of("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
-    if t.num_workers < 0:
-        _err(f"training.num_workers: must be >= 0, got {t.num_workers}")
+    if t.num_workers < -1:
+        _err(f"training.num_workers: must be >= 0, or -1 (2 on GPU, 0 on CPU), got {t.num_workers}")
     if t.dataset_mixture:
         _check_mixture(cfg)
     v = cfg.validation
