@@ -265,4 +265,13 @@ FLOAT8_LAYOUTS = [Layout(name, nproc, (*overrides, *_FLOAT8), reference=_float8_
     ("float8_pp2_1f1b", 2, 1, 1, (*dp(8, 1), *pp("1F1B"))),
     ("float8_cp2", 2, 8, 8, (*dp(8, 1), *_CP2)),
 )]
+# torchao's rowwise recipe (a scale per row, rounded to a power of 2 by the recipe itself): under TP the row-parallel
+# layers' rows are split over the tp ranks, so each row's amax must be reduced over them.
+_FLOAT8_ROWWISE = ("--model.converters", "float8", "--float8.skip_small_layers", "false", "--float8.recipe_name",
+                   "rowwise")
+REFERENCES["single_process_float8_rowwise_rows4"] = Layout(
+    "single_process_float8_rowwise_rows4", 1, ("--training.local_batch_size", "4", "--validation.local_batch_size",
+                                               "4", "--validation.steps", "2", *_FLOAT8_ROWWISE))
+FLOAT8_LAYOUTS.append(Layout("float8_rowwise_fsdp2_tp2", 4, (*dp(4, 2), *_TP2, *_FLOAT8_ROWWISE),
+                             reference="single_process_float8_rowwise_rows4"))
 ALL_LAYOUTS += FLOAT8_LAYOUTS

@@ -22,6 +22,7 @@ from tests.integration.conftest import train_layout
 from tests.integration.layouts import ALL_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import (
     FLOAT8_TENSOR_CEILING,
+    REFERENCE_TOLERANCE,
     TENSOR_TOLERANCE_FILE,
     TENSOR_TOLERANCE_MIN,
     TOLERANCE,
@@ -102,7 +103,7 @@ def derive_tensor_tolerances(per_tensor: dict) -> dict:
             limit = max(10 * value, TENSOR_TOLERANCE_MIN)
             exponent = math.floor(math.log10(limit))
             step = next(m for m in (1, 2, 5, 10) if m * 10 ** exponent >= limit * (1 - 1e-12))
-            ceiling = TOLERANCE[of] * (FLOAT8_TENSOR_CEILING if "float8" in name else 1)
+            ceiling = REFERENCE_TOLERANCE.get(name, TOLERANCE)[of] * (FLOAT8_TENSOR_CEILING if "float8" in name else 1)
             out.setdefault(name, {}).setdefault(of, {})[tensor] = min(float(f"{step}e{exponent}"), ceiling)
     return out
 

@@ -11,6 +11,7 @@ import pytest
 from tests.integration.conftest import mesh_shape, train_layout
 from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import (
+    REFERENCE_TOLERANCE,
     TENSOR_TOLERANCE,
     TOLERANCE,
     compare,
@@ -74,7 +75,8 @@ def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_pat
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
     run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)
     assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, True, True]
-    problems = compare(run, reference(layout.reference), tensors=TENSOR_TOLERANCE.get(layout.reference))
+    problems = compare(run, reference(layout.reference), REFERENCE_TOLERANCE.get(layout.reference, TOLERANCE),
+                       tensors=TENSOR_TOLERANCE.get(layout.reference))
     assert not problems, f"{layout.name} differs from {layout.reference}:\n" + "\n".join(problems[:10])
 
 
