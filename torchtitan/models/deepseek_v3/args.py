@@ -190,9 +190,7 @@ def _block_active_matmul_params(a: DeepSeekV3ModelArgs, layer_id: int) -> int:
     attention = q + kv + a.n_heads * a.v_head_dim * a.dim
     if not a.is_moe_layer(layer_id):
         return attention + 3 * a.dim * a.ffn_hidden_dim
-    moe = a.moe
-    expert = 3 * a.dim * moe.hidden_dim
-    return attention + a.dim * moe.num_experts + expert * (moe.top_k + moe.num_shared_experts)
+    return attention + a.moe.active_matmul_params(a.dim)
 
 
 def get_pipeline_unit_flops(model_args: DeepSeekV3ModelArgs, seq_len: int) -> tuple[float, float, float]:

@@ -41,6 +41,11 @@ class MoEArgs:
     use_grouped_mm: bool = True
     """run the experts with torch._grouped_mm (one kernel for all experts) instead of a loop over experts"""
 
+    def active_matmul_params(self, dim: int) -> int:
+        """Matmul weights one token goes through in an MoE layer of model width `dim`: the router, its top_k routed
+        experts and the shared ones (three projections each); the FLOPs counts take 6 per weight."""
+        return dim * self.num_experts + 3 * dim * self.hidden_dim * (self.top_k + self.num_shared_experts)
+
     def check(self) -> list[str]:
         """Problems with these values, one line each (empty when consistent)."""
         errors = []
