@@ -76,13 +76,12 @@ def gpu_count_without_torch() -> int | None:
     return None if any(os.path.exists(path) for path in GPU_DRIVER_PATHS) else 0
 
 
-def check_before_torch(train_args: Sequence[str], env: Mapping[str, str]) -> int | None:
+def check_before_torch(train_args: Sequence[str], env: Mapping[str, str]) -> None:
     """The ranks' config checks (torchtitan/config/preflight.py) and their tokenizer and data sources, run once
     here before torch is imported or torchrun starts a rank: a bad key, value, flavor, degree, tokenizer or data
     path is one line on stderr and exit code 2 in well under 3 s, rather than every rank failing the same way
     inside torchrun's report (where LOG_RANK may hide the rank that printed it). Degrees against the world size
-    are checked where the world size is known without torch (NGPU set, or no GPU); the world size checked, or
-    None."""
+    are checked where the world size is known without torch (NGPU set, or no GPU)."""
     from torchtitan.config.errors import ConfigError
     from torchtitan.config.manager import load_config, parse_args
     from torchtitan.config.preflight import check_inputs
@@ -98,7 +97,6 @@ def check_before_torch(train_args: Sequence[str], env: Mapping[str, str]) -> int
     except (ValueError, FileNotFoundError) as e:  # data and tokenizer errors name their key and file
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    return world
 
 
 def check_with_torch(train_args: Sequence[str], env: Mapping[str, str], gpu_count: int) -> None:

@@ -9,6 +9,7 @@ group exists.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from torchtitan.config.errors import ConfigError
@@ -177,7 +178,6 @@ def _check_expert_parallel(cfg: JobConfig) -> None:
     (torchtitan/distributed/parallel_dims.py)."""
     etp = cfg.parallelism.expert_tensor_parallel_degree
     if etp > 1:
-
         moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
         if moe is None:
             _err(f"parallelism.expert_tensor_parallel_degree={etp}: {cfg.model.name}/{cfg.model.flavor} has no MoE "
@@ -188,7 +188,6 @@ def _check_expert_parallel(cfg: JobConfig) -> None:
     ep = cfg.parallelism.expert_parallel_degree
     if ep == 1:
         return
-
     moe = getattr(get_model_spec(cfg.model.name).flavors[cfg.model.flavor], "moe", None)
     if moe is None:
         _err(f"parallelism.expert_parallel_degree={ep}: {cfg.model.name}/{cfg.model.flavor} has no MoE layers")
@@ -224,6 +223,7 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
     if p.tensor_parallel_degree == 1:
         return
     _check_tp_divides(cfg, {"training.seq_len": cfg.training.seq_len})
+
 
 def tp_divisibility_errors(model_args, tp: int, seq_lens: dict[str, int]) -> list[str]:
     """What the tensor-parallel plan (torchtitan/distributed/tensor_parallel.py: heads, KV heads, feed-forward units
@@ -317,8 +317,7 @@ def _check_float8(cfg: JobConfig) -> None:
         _err(f"model.converters: {converters} names a converter twice")
     f8, default = cfg.float8, type(cfg.float8)()
     if "float8" not in converters:
-        for key in ("recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
-                    "filter_fqns", "skip_small_layers", "round_scales_to_power_of_2"):
+        for key in (f.name for f in dataclasses.fields(f8)):
             if getattr(f8, key) != getattr(default, key):
                 _err(f"float8.{key}: set, but model.converters does not include \"float8\"")
         return
