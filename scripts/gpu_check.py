@@ -1,6 +1,7 @@
 """Every GPU check in one command, one table: what docs/performance.md records whenever a GPU machine is available.
 
-    scripts/gpu_check.sh [--only quickstart,eager,compiled,float8,moe,checkpoint] [--steps 15] [--data FILE.jsonl]
+    scripts/gpu_check.sh [--only quickstart,eager,compiled,loss_chunks,float8,moe,checkpoint] [--steps 15]
+        [--data FILE.jsonl]
     scripts/gpu_check.sh --smoke      # the same checks on CPU with the debug models (checks this script, not speed)
 
 Checks, each a launch of the documented commands (a failure is a FAIL row with its last error line; the others run):
@@ -8,6 +9,8 @@ Checks, each a launch of the documented commands (a failure is a FAIL row with i
 - eager, compiled: the benchmark flavor (`llama3` `8B_8blocks`, seq 8192, local batch 1, per-op AC, AdamW) through
   `./run_train.sh`: median tokens/s and MFU after 5 steps, max active and reserved memory, launch to first step,
   and the memory estimator's verdict for the same job beside them;
+- loss_chunks: `scripts/benchmark_loss_chunks.py`, the 8B output layer and loss at seq 8192 in 1, 4, 16 and 32
+  token chunks: time ratio and peak memory;
 - float8: `scripts/benchmark_float8.py` on the same workload, compiled: bf16 and tensorwise (`--float8-variants`);
 - moe: Qwen3-30B-A3B's block shape cut to 2 blocks (`scripts/moe_balance_study.py`, grouped GEMM in bf16);
 - checkpoint: async saves with pinned memory, a resume, and the Hugging Face export loaded by `transformers` on the
@@ -35,7 +38,7 @@ from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
-CHECKS = ("quickstart", "eager", "compiled", "float8", "moe", "checkpoint")
+CHECKS = ("quickstart", "eager", "compiled", "loss_chunks", "float8", "moe", "checkpoint")
 COMMON = ["--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable", "false"]
 
 
@@ -157,6 +160,15 @@ class GpuCheck:
         verdict = "fits" if report["fits"] else "does not fit"
         return f"peak {report['peak_gib']:.2f}, needed {report['needed_gib']:.2f} GiB ({verdict})"
 
+    def loss_chunks(self) -> None:
+        # The 8B output layer at seq 8192 (scripts/benchmark_loss_chunks.py's default shape), bf16 autocast
+        shape = ["--tokens", "512", "--dim", "64", "--vocab", "4096", "--repeats", "2"] if self.opts.smoke else []
+        cmd = [sys.executable, "scripts/benchmark_loss_chunks.py", "--chunks", "1,4,16,32", *shape]
+        code, out, seconds, _ = run(cmd, self.env, 300)
+        rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+        detail = "; ".join(f"{r[0]} chunks: {r[2]} x time, {float(r[3]) / 1024:.2f} GiB" for r in rows)
+        self.row("loss_chunks", code == 0 and bool(rows), detail if code == 0 else last_error(out), seconds)
+
     def float8(self) -> None:
         config, args = self.work["bench"]
         extra = ["--all-layers"] if self.opts.smoke else []
@@ -243,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.smoke:
             check.env["CUDA_VISIBLE_DEVICES"] = ""
         steps = {"quickstart": check.quickstart, "eager": lambda: check.bench(False),
-                 "compiled": lambda: check.bench(True), "float8": check.float8, "moe": check.moe,
-                 "checkpoint": check.checkpoint}
+                 "compiled": lambda: check.bench(True), "loss_chunks": check.loss_chunks, "float8": check.float8,
+                 "moe": check.moe, "checkpoint": check.checkpoint}
         for name in opts.only.split(","):
             try:
                 steps[name]()

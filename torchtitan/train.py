@@ -106,14 +106,6 @@ class Trainer:
                                            **source_args)
             self.dataloader = build_dataloader(source=source, **loader_args)
         self.loss_parallel = parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
-        self.loss_fn = cross_entropy_sum
-        if cfg.compile.enable and "loss" in cfg.compile.components:
-            if self.loss_parallel:
-                # Measured (torch 2.13): a compiled loss does not see loss_parallel's op handlers and returns a
-                # wrong loss on vocab-sharded logits, silently. Keep the loss eager there.
-                logger.info("compile: the loss stays eager under loss parallel")
-            else:
-                self.loss_fn = compile_loss(cross_entropy_sum, cfg.compile.backend)
         # Measured (torch 2.13, CPU): a TP block compiled for training fails when recompiled under no_grad
         # ("'Tensor' object has no attribute 'elem'", an async-collective input). Validation runs it eagerly.
         validate_eager = parallel_dims.tp_enabled and cfg.compile.enable and "model" in cfg.compile.components
@@ -121,7 +113,7 @@ class Trainer:
         self.pp_mesh = parallel_dims.mesh("pp") if resolved.pipeline is not None else None
         if cfg.validation.enable:
             self.validator = Validator(cfg, tokenizer, dp_mesh.get_local_rank(), dp_mesh.size(), self.loss_mesh,
-                                       self.device, str(default_cache_dir() / "datasets"), loss_fn=self.loss_fn,
+                                       self.device, str(default_cache_dir() / "datasets"),
                                        loss_parallel=self.loss_parallel, eager=validate_eager,
                                        pp_mesh=self.pp_mesh, cp_mesh=self.cp_mesh)
 
@@ -137,11 +129,20 @@ class Trainer:
             logger.info("CPU run: training in float32 (training.mixed_precision_param applies on GPU)")
         self.model_parts = build_model_parts(cfg, parallel_dims, resolved.pipeline, param_dtype, model_args)
         materialize(self.model_parts, self.device, seed, dist_utils.param_init)
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            if self.loss_parallel:
+                # Measured (torch 2.13): a compiled loss does not see loss_parallel's op handlers and returns a
+                # wrong loss on vocab-sharded logits, silently. Keep the loss eager there.
+                logger.info("compile: the loss stays eager under loss parallel")
+            else:  # the output projection's cross-entropy of each chunk (torchtitan/models/decoder.py)
+                for part in self.model_parts:
+                    if getattr(part, "output", None) is not None:
+                        part.output.loss_fn = compile_loss(cross_entropy_sum, cfg.compile.backend)
         self.autocast = dist_utils.mixed_precision_autocast(parallel_dims, param_dtype, self.device.type)
         self.pipeline = None
         if resolved.pipeline is not None:
             self.pipeline = Pipeline(resolved.pipeline, self.model_parts, self.pp_mesh, self.device,
-                                     cfg.training.local_batch_size, self.loss_fn)
+                                     cfg.training.local_batch_size)
 
         self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, self.device.type)
         self.after_optimizer_step = float8.post_optimizer_step(cfg, self.model_parts)
@@ -217,7 +218,7 @@ class Trainer:
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, for the log
         self.guard.step = step
         local_loss_sum, grad_norm = forward_backward_step(
-            self.model_parts, self.optimizer, microbatches, global_tokens, loss_fn=self.loss_fn,
+            self.model_parts, self.optimizer, microbatches, global_tokens,
             max_norm=self.cfg.training.max_norm, device=self.device, autocast=self.autocast,
             loss_parallel=self.loss_parallel, pipeline=self.pipeline, pp_mesh=self.pp_mesh,
             should_step=self.guard.should_step, after_optimizer_step=self.after_optimizer_step,

@@ -76,6 +76,10 @@ REFERENCES = {
     "single_process_short_documents": Layout("single_process_short_documents", 1, (*dp(8, 1), *SHORT_DOCUMENTS)),
 }
 
+# The output projection and loss in 3 token chunks (torchtitan/models/decoder.py: each chunk's logits recomputed in
+# the backward), against references that score all tokens at once: under FSDP (the tied weight in the root unit),
+# TP with and without loss parallel, and the pipeline's last stage; training and validation.
+CHUNKED_LOSS = ("--training.loss_chunks", "3")
 _REPLICATE = ("--parallelism.data_parallel_replicate_degree",)
 _TP2 = ("--parallelism.tensor_parallel_degree", "2")
 
@@ -86,15 +90,18 @@ LAYOUTS = [
     Layout("fsdp2_full_ac_data_workers", 2, (*dp(4, 2), "--activation_checkpoint.mode", "full",
                                              "--training.num_workers", "2")),
     # Tied embedding/output lives in FSDP's root unit; every-2nd-block AC rides along.
-    Layout("fsdp2_tied_ac_every2_accum", 2, (*dp(2, 2), "--model.flavor", "debugmodel_small_tied",
+    Layout("fsdp2_tied_ac_every2_accum_chunked_loss", 2, (*dp(2, 2), "--model.flavor", "debugmodel_small_tied",
+                                                          *CHUNKED_LOSS,
                                              "--activation_checkpoint.mode", "selective",
                                              "--activation_checkpoint.selective_ac_option", "2"),
            reference="single_process_tied"),
     Layout("ddp2_accum", 2, (*dp(2, 2), *_REPLICATE, "2", "--parallelism.data_parallel_shard_degree", "1")),
     Layout("hsdp2x2_accum", 4, (*dp(1, 4), *_REPLICATE, "2")),
     # Tensor parallel (sequence parallel included): TP ranks read the same data, so the DP degree is world / tp.
-    Layout("tp2_no_loss_parallel_accum", 2, (*dp(4, 1), *_TP2, "--parallelism.disable_loss_parallel", "true")),
-    Layout("fsdp2_tp2_op_ac_accum", 4, (*dp(2, 2), *_TP2, "--activation_checkpoint.mode", "selective",
+    Layout("tp2_no_loss_parallel_accum_chunked_loss", 2, (*dp(4, 1), *_TP2, "--parallelism.disable_loss_parallel",
+                                                          "true", *CHUNKED_LOSS)),
+    Layout("fsdp2_tp2_op_ac_accum_chunked_loss", 4, (*dp(2, 2), *_TP2, *CHUNKED_LOSS,
+                                                     "--activation_checkpoint.mode", "selective",
                                         "--activation_checkpoint.selective_ac_option", "op")),
     Layout("hsdp2x1_tp2_accum", 4, (*dp(2, 2), *_TP2, *_REPLICATE, "2")),
     # Eight ranks on a 3-D mesh (replicate x shard x tp); one micro-batch to stay within the budget.
@@ -116,7 +123,8 @@ def pp(schedule: str) -> tuple[str, ...]:
 
 PP_LAYOUTS = [
     Layout("pp2_gpipe", 2, (*dp(8, 1), *pp("GPipe"))),
-    Layout("pp2_1f1b_accum_mb2", 2, (*dp(4, 1), *pp("1F1B"), "--parallelism.pipeline_parallel_microbatch_size", "2")),
+    Layout("pp2_1f1b_accum_mb2_chunked_loss", 2, (*dp(4, 1), *pp("1F1B"), *CHUNKED_LOSS,
+                                                  "--parallelism.pipeline_parallel_microbatch_size", "2")),
     # Multi-stage schedules: 2 stages per rank, one block each (the V schedules place them in a V).
     Layout("pp2_interleaved1f1b", 2, (*dp(8, 1), *pp("Interleaved1F1B"))),
     Layout("pp2_loopedbfs", 2, (*dp(8, 1), *pp("LoopedBFS"))),
@@ -131,7 +139,7 @@ PP_LAYOUTS = [
                                              '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", '
                                              '"norm", "output"]]')),
     Layout("pp2_fsdp2_interleaved", 4, (*dp(4, 2), *pp("Interleaved1F1B"))),
-    Layout("pp2_tp2", 4, (*dp(8, 1), *pp("1F1B"), *_TP2)),
+    Layout("pp2_tp2_chunked_loss", 4, (*dp(8, 1), *pp("1F1B"), *_TP2, *CHUNKED_LOSS)),
     # torch's input-gradient backward detaches stage outputs in place: TP's stage outputs must not be views
     Layout("pp2_tp2_zbv_zero_bubble", 4, (*dp(8, 1), *pp("ZBVZeroBubble"), *_TP2)),
     # torch's stage keeps FSDP parameters unsharded and gradients unreduced until the stage's last backward

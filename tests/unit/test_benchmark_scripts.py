@@ -61,11 +61,20 @@ def test_benchmark_data_prints_its_ratio_row(capsys) -> None:
 def test_gpu_check_smoke_trains_estimates_and_prints_its_table(capsys) -> None:
     # The CPU smoke mode of the one-command GPU check, one check of it (the others are the documented commands
     # other tests run): a launch through run_train.sh, its metrics, and the estimator's verdict for the same job.
-    code = load_script("gpu_check").main(["--smoke", "--only", "eager", "--steps", "3"])
+    code = load_script("gpu_check").main(["--smoke", "--only", "eager,loss_chunks", "--steps", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
     (row,) = [line for line in out.splitlines() if line.startswith("| eager |")]
     assert "| ok |" in row and "tokens/s" in row and "estimate peak" in row and "(fits)" in row, row
+    (row,) = [line for line in out.splitlines() if line.startswith("| loss_chunks |")]
+    assert "| ok |" in row and "1 chunks: 1.00 x time" in row and "32 chunks:" in row, row
+
+
+def test_loss_chunk_benchmark_shows_the_peak_falling() -> None:
+    rows = _script("benchmark_loss_chunks").main(["--tokens", "256", "--dim", "32", "--vocab", "4096", "--chunks",
+                                                  "1,4", "--repeats", "1", "--dtype", "float32", "--device", "cpu"])
+    assert [r["chunks"] for r in rows] == [1, 4] and rows[0]["peak_ratio"] == 1.0
+    assert rows[1]["peak_ratio"] < 0.6, rows  # 4 MiB logits: whole, a quarter at a time
 
 
 def test_gpu_check_names_an_unknown_check() -> None:

@@ -539,6 +539,7 @@ INVALID_VALUES = [
     (["--training.mixed_precision_reduce", "fp8"], "training.mixed_precision_reduce"),
     (["--training.dataset_streaming", "maybe"], "training.dataset_streaming"),
     (["--training.num_workers", "-2"], "training.num_workers"),
+    (["--training.loss_chunks", "-1"], "training.loss_chunks"),
     (["--training.on_nonfinite", "ignore"], "training.on_nonfinite"),
     (["--training.dataset", "c4", "--training.dataset_mixture", "c4:1"], "training.dataset_mixture"),
     # validation (checked only when enabled, except the streaming choice)

@@ -143,21 +143,26 @@ def test_count_target_tokens_ignores_minus_100():
 
 def _compiled_loss_vs_eager() -> None:
     from torchtitan.distributed.compile import compile_loss
+    from torchtitan.models.decoder import OutputProjection
 
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 16, 128, generator=g, requires_grad=True)
-    labels = torch.randint(0, 128, (2, 16), generator=g)
+    # As the trainer runs it: each chunk's cross-entropy compiled, called again by the backward's recompute.
+    torch.manual_seed(0)
+    out = OutputProjection(16, 128)
+    h = torch.randn(2, 16, 16, requires_grad=True)
+    labels = torch.randint(0, 128, (2, 16))
     labels[0, :3] = IGNORE_INDEX
-    eager = cross_entropy_sum(logits, labels)
-    (eager_grad,) = torch.autograd.grad(eager, logits)
-    compiled = compile_loss(cross_entropy_sum, "inductor")(logits, labels)
-    (compiled_grad,) = torch.autograd.grad(compiled, logits)
+    eager = cross_entropy_sum(out(h), labels)
+    eager_grads = torch.autograd.grad(eager, (h, out.weight))
+    out.loss_fn, out.loss_chunks = compile_loss(cross_entropy_sum, "inductor"), 2
+    compiled = out(h, labels=labels)
+    compiled_grads = torch.autograd.grad(compiled, (h, out.weight))
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-7)
+    for got, ref in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_loss_matches_eager():
-    # compile.components = ["loss"] (without loss parallel) runs this through inductor. In a child process:
+    # compile.components = ["loss"] (without loss parallel) runs each chunk's loss through inductor. In a child process:
     # inductor leaves worker threads behind, and later tests fork gloo workers from this process.
     from tests.unit.forked import in_child
 

@@ -142,7 +142,8 @@ def _estimate_each(layouts: list[tuple[int, list[str], tuple[int, ...]]]) -> lis
 # 4 ranks) for full AC, TP, CP, accumulation and document masking, whose peaks would be smaller or estimates already
 # 1-2% low (docs/memory_estimation.md, "Accuracy").
 ACCURACY = {
-    "fsdp2": (2, ["--training.local_batch_size", "4"], 0.05),
+    # the output projection and loss in 4 token chunks, each chunk's logits recomputed in the backward
+    "fsdp2_chunked_loss": (2, ["--training.local_batch_size", "4", "--training.loss_chunks", "4"], 0.05),
     "hsdp2x2": (4, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"], 0.05),
     "fsdp2_full_ac": (2, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"], 0.05),
     "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"], 0.05),

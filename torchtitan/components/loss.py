@@ -13,10 +13,9 @@ IGNORE_INDEX = -100
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses in fp32 (bf16 logits would lose precision in the log-sum-exp)."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    """Sum of token losses in fp32 (bf16 logits would lose precision in the log-sum-exp). `logits` [..., vocab],
+    `labels` of the same leading shape ([batch, seq], or [tokens] for a chunk of them)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def count_target_tokens(labels: torch.Tensor) -> torch.Tensor:

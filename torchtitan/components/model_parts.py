@@ -46,6 +46,24 @@ def model_args_for(cfg: JobConfig, n_layers: int | None = None) -> Any:
     return args if n_layers is None else dataclasses.replace(args, n_layers=n_layers)
 
 
+# training.loss_chunks = 0: chunks of at most this many bytes of fp32 logits (docs/performance.md, "Chunked loss")
+AUTO_LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_chunks(cfg: JobConfig, parallel_dims: ParallelDims, pipeline: PipelinePlan | None, vocab_size: int) -> int:
+    """How many token chunks the output projection scores a micro-batch in: training.loss_chunks, or with 0 the
+    fewest whose fp32 logits fit AUTO_LOSS_CHUNK_BYTES. The output sees a micro-batch (a pipeline micro-batch under
+    pipeline parallel) of this rank's context-parallel share of each sequence, and its vocabulary shard under loss
+    parallel (tensor parallel gathers the sequence before the projection)."""
+    if cfg.training.loss_chunks > 0:
+        return cfg.training.loss_chunks
+    sequences = pipeline.microbatch_size if pipeline is not None else cfg.training.local_batch_size
+    tokens = sequences * cfg.training.seq_len // parallel_dims.cp
+    vocab = vocab_size // parallel_dims.tp if parallel_dims.loss_parallel_enabled(
+        cfg.parallelism.disable_loss_parallel) else vocab_size
+    return max(1, -(-tokens * vocab * 4 // AUTO_LOSS_CHUNK_BYTES))
+
+
 def build_model_parts(cfg: JobConfig, parallel_dims: ParallelDims, pipeline: PipelinePlan | None, param_dtype: str,
                       model_args: Any, *, ddp: bool = True) -> list[nn.Module]:
     """This rank's model parts on `meta`: the model, cut into this rank's pipeline stages (if any), each part
@@ -63,6 +81,10 @@ def build_model_parts(cfg: JobConfig, parallel_dims: ParallelDims, pipeline: Pip
     else:
         pp_rank = parallel_dims.mesh("pp").get_local_rank()
         parts = [split_model(model, pipeline.module_fqns[s]) for s in pipeline.stage_ids(pp_rank)]
+    chunks = loss_chunks(cfg, parallel_dims, pipeline, model_args.vocab_size)
+    for part in parts:
+        if getattr(part, "output", None) is not None:
+            part.output.loss_chunks = chunks
     return [spec.parallelize_fn(part, parallel_dims, cfg, param_dtype, ddp=ddp) for part in parts]
 
 

@@ -21,7 +21,6 @@ def forward_backward_step(
     microbatches: list[dict[str, torch.Tensor]],
     global_tokens: torch.Tensor,
     *,
-    loss_fn: Callable,
     max_norm: float,
     device: torch.device,
     autocast=None,
@@ -37,11 +36,12 @@ def forward_backward_step(
     A micro-batch is a dict: "tokens" and "labels", and the model's other inputs by keyword ("positions",
     "document_ids" with document masking; torchtitan/data/dataloader.py).
 
-    Every rank divides its loss sum by the same global token count, so summed gradients equal the 1-process
-    gradient. With `pipeline` (torchtitan/distributed/pipeline_parallel.py) each micro-batch runs through the
-    pipeline schedule, which cuts it again into pipeline micro-batches; the loss sum is then non-zero only on
-    the rank holding the last stage, and the gradient norm is reduced over `pp_mesh` too.
-    `on_phase(kind, micro_batch)` is told forward / loss / backward (per micro-batch) and optimizer.
+    The model computes the loss sum itself from the labels (its output projection scores the tokens in chunks,
+    torchtitan/models/decoder.py). Every rank divides its loss sum by the same global token count, so summed
+    gradients equal the 1-process gradient. With `pipeline` (torchtitan/distributed/pipeline_parallel.py) each
+    micro-batch runs through the pipeline schedule, which cuts it again into pipeline micro-batches; the loss sum
+    is then non-zero only on the rank holding the last stage, and the gradient norm is reduced over `pp_mesh` too.
+    `on_phase(kind, micro_batch)` is told forward (the loss included) / backward (per micro-batch) and optimizer.
     `should_step(local loss sum, grad norm)`, asked after the norm and before clipping, can veto the update
     (the trainer's non-finite check); the gradients are then left as they are for the next zero_grad.
     `after_optimizer_step()` runs after each update (float8's scale precompute, torchtitan/components/quantization).
@@ -63,13 +63,11 @@ def forward_backward_step(
             continue
         model = model_parts[0]
         set_gradient_sync(model, micro == last)  # DDP reduces once, after the last micro-batch
-        with autocast if autocast is not None else nullcontext():
-            logits = model(tokens, **inputs)
-        phase("loss", micro)
-        # With loss parallel the logits stay vocab-sharded over tp; the context must cover loss and backward.
+        # With loss parallel the logits stay vocab-sharded over tp; the context must cover the loss, computed in
+        # the forward, and the backward, which recomputes chunked logits.
         with loss_parallel_context(loss_parallel):
-            loss_sum = loss_fn(logits, labels)
-            del logits
+            with autocast if autocast is not None else nullcontext():
+                loss_sum = model(tokens, labels=labels, **inputs)
             phase("backward", micro)
             (loss_sum / global_tokens).backward()
         local_loss_sum += local_value(loss_sum.detach())

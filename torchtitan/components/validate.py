@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from torchtitan.components.loss import count_target_tokens, cross_entropy_sum
+from torchtitan.components.loss import count_target_tokens
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
@@ -36,14 +36,14 @@ def validation_shape(cfg: JobConfig) -> tuple[int, int]:
 
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, loss_mesh, device: torch.device,
-                 cache_dir: str | None = None, *, loss_fn=cross_entropy_sum, loss_parallel: bool = False,
+                 cache_dir: str | None = None, *, loss_parallel: bool = False,
                  eager: bool = False, pp_mesh=None, cp_mesh=None):
         """`eager` runs compiled blocks uncompiled (see Trainer: TP + compile under no_grad). With pipeline
         parallel (`pp_mesh`) the loss comes from the last stage's ranks and is summed over pp; with context
         parallel (`cp_mesh`) each rank scores its own share of every sequence."""
         self.cfg, self.tokenizer, self.loss_mesh, self.device = cfg, tokenizer, loss_mesh, device
         self.pp_mesh, self.cp_mesh = pp_mesh, cp_mesh
-        self.loss_fn, self.loss_parallel, self.eager = loss_fn, loss_parallel, eager
+        self.loss_parallel, self.eager = loss_parallel, eager
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.local_batch_size, self.seq_len = validation_shape(cfg)
         # Built now, so a missing file or column fails before the first training step.
@@ -87,14 +87,11 @@ class Validator:
             [batch] = shard_microbatches([batch], self.cp_mesh)
             inputs = {key: value.to(self.device) for key, value in batch.items()}
             input_ids, labels = inputs.pop("tokens"), inputs.pop("labels")
-            if pipeline is not None:  # forward only, through the stages; the loss on the last one
-                with autocast, loss_parallel_context(self.loss_parallel):
-                    loss_sum += pipeline.eval_loss_sum(input_ids, labels, self.loss_fn, inputs)
-            else:
-                with autocast:
-                    logits = model_parts[0](input_ids, **inputs)
-                with loss_parallel_context(self.loss_parallel):
-                    loss_sum += local_value(self.loss_fn(logits, labels))
+            with autocast, loss_parallel_context(self.loss_parallel):
+                if pipeline is not None:  # forward only, through the stages; the loss on the last one
+                    loss_sum += pipeline.eval_loss_sum(input_ids, labels, inputs)
+                else:
+                    loss_sum += local_value(model_parts[0](input_ids, labels=labels, **inputs))
             tokens += count_target_tokens(labels)
             batches += 1
         for part in model_parts:

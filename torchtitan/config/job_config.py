@@ -92,6 +92,8 @@ class Training:
     """Sequences per optimizer step over all ranks (-1 = local_batch_size x DP degree; larger = accumulation)"""
     seq_len: int = 2048
     """Tokens per training sequence"""
+    loss_chunks: int = 0
+    """Token chunks in which the output projection and cross-entropy run (0 = auto: fp32 logits <= 256 MiB each)"""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables clipping, the norm is still logged)"""
     on_nonfinite: str = "stop"

@@ -125,6 +125,8 @@ def _check_training(cfg: JobConfig) -> None:
     _one_of("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     if t.num_workers < -1:
         _err(f"training.num_workers: must be >= 0, or -1 (2 on GPU, 0 on CPU), got {t.num_workers}")
+    if t.loss_chunks < 0:
+        _err(f"training.loss_chunks: must be >= 0 (0 = auto), got {t.loss_chunks}")
     if t.dataset_mixture:
         _check_mixture(cfg)
     v = cfg.validation

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import csv
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -311,26 +310,25 @@ def _local_output(module, inputs, output):
 
 
 class ScaledLoss:
-    """The schedule's loss: loss_fn's sum over a pipeline micro-batch divided by the step's global token count
-    (set before each step), so the schedule never scales gradients and they equal the 1-process ones."""
+    """The schedule's loss: the last stage's output, the loss sum over a pipeline micro-batch (the stage's output
+    projection scores the labels it is handed, torchtitan/models/decoder.py), divided by the step's global token
+    count (set before each step), so the schedule never scales gradients and they equal the 1-process ones."""
 
-    def __init__(self, loss_fn: Callable):
-        self.loss_fn = loss_fn
+    def __init__(self):
         self.global_tokens: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, labels) / self.global_tokens
+    def __call__(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_sum / self.global_tokens
 
 
 class Pipeline:
     """This rank's stages, the training schedule over them, and a forward-only walk for validation."""
 
     def __init__(self, plan: PipelinePlan, parts: list[nn.Module], pp_mesh, device: torch.device,
-                 local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        """`parts` are this rank's model parts in plan.stage_ids(pp rank) order, materialised and parallelized;
-        `loss_fn(logits, labels)` returns a loss sum, which the schedule divides by the step's global token count."""
+                 local_batch_size: int):
+        """`parts` are this rank's model parts in plan.stage_ids(pp rank) order, materialised and parallelized."""
         self.plan, self.parts, self.pp_mesh, self.device = plan, parts, pp_mesh, device
-        self.loss_fn = ScaledLoss(loss_fn)
+        self.loss_fn = ScaledLoss()
         self.pp_rank = pp_mesh.get_local_rank()
         self.stage_ids = plan.stage_ids(self.pp_rank)
         self.has_first = 0 in self.stage_ids
@@ -375,7 +373,7 @@ class Pipeline:
         """Forward and backward of one local batch through the schedule; returns this rank's sum of the scaled
         micro-batch losses (zero on ranks without the last stage). `model_kwargs` ([batch, ...] tensors, such as
         document masking's positions and document ids) are cut into the same micro-batches and reach every stage,
-        so every rank passes them."""
+        so every rank passes them. So do the labels: every stage is handed them, the last one scores them."""
         import torch
 
         self.loss_fn.global_tokens = global_tokens
@@ -386,12 +384,12 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
-                           **(model_kwargs or {}))
+                           labels=labels, **(model_kwargs or {}))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(loss.detach()).float().reshape(()) for loss in losses]).sum()
 
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn,
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
                       model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Forward only (validation): the summed loss of a batch (zero on ranks without the last stage).
 
@@ -424,9 +422,12 @@ class Pipeline:
                     x = held
                 else:
                     x = _recv(dist.get_global_rank(group, rank_of[stage - 1]), group, self.device)
-                out = part_of[stage](x, **{k: v[start:start + mb] for k, v in (model_kwargs or {}).items()})
+                kwargs = {k: v[start:start + mb] for k, v in (model_kwargs or {}).items()}
                 if stage == last:
-                    total += local_value(loss_sum_fn(out, labels[start:start + mb])).float()
+                    kwargs["labels"] = labels[start:start + mb]
+                out = part_of[stage](x, **kwargs)
+                if stage == last:
+                    total += local_value(out).float()
                 elif rank_of[stage + 1] == self.pp_rank:
                     held = out
                 else:

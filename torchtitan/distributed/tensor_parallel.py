@@ -59,6 +59,28 @@ def moe_token_split() -> ParallelStyle:
     )  # fmt: skip
 
 
+class OutputParallel(ColwiseParallel):
+    """The output projection's style: column-wise on the vocabulary. Given labels (by keyword, which the input
+    hook leaves alone) the projection returns the loss sum of its chunks (torchtitan/models/decoder.py), which
+    leaves as it is rather than being laid out like logits: with loss parallel a replicated scalar DTensor from the
+    vocab-sharded cross-entropy; without it a plain scalar, each chunk's logits gathered before its loss."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.use_local_output:  # no loss parallel: the loss takes whole (gathered) logits
+            module.logits_to_loss = _gathered
+        return super()._apply(module, device_mesh)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.ndim == 0:
+            return outputs.to_local() if isinstance(outputs, DTensor) and use_local_output else outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def _gathered(logits: DTensor) -> torch.Tensor:
+    return logits.redistribute(placements=[Replicate()]).to_local()
+
+
 def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
              block_plan: dict | Callable[[nn.Module], dict]) -> nn.Module:
     """Shard `model` (on meta or materialised) over the 1-D `tp_mesh` in place, following the layout above: the
@@ -74,7 +96,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
         top["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
         # A pipeline stage without the final norm receives hidden states already sharded on the sequence.
-        top["output"] = ColwiseParallel(
+        top["output"] = OutputParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.model_parts import build_model_parts, model_args_for
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.quantization import float8
@@ -238,7 +237,7 @@ def build_pipeline(plan: PipelinePlan | None, parts, parallel_dims: ParallelDims
     """The trainer's Pipeline over `parts` (None without pipeline parallel), with the trainer's scaled loss."""
     if plan is None:
         return None
-    return Pipeline(plan, parts, parallel_dims.mesh("pp"), device, cfg.training.local_batch_size, cross_entropy_sum)
+    return Pipeline(plan, parts, parallel_dims.mesh("pp"), device, cfg.training.local_batch_size)
 
 
 def random_batch(batch_size: int, seq_len: int, vocab_size: int, document_masking: bool) -> dict[str, torch.Tensor]:
@@ -268,7 +267,7 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
         microbatches = shard_microbatches([random_batch(b, s, vocab_size, cfg.model.attn_mask_type == "block_causal")
                                            for _ in range(grad_accum)], cp_mesh)
         forward_backward_step(parts, optimizer, microbatches, torch.tensor(b * s * grad_accum),
-                              loss_fn=cross_entropy_sum, max_norm=cfg.training.max_norm,
+                              max_norm=cfg.training.max_norm,
                               device=torch.device("cpu"), autocast=autocast, loss_parallel=loss_parallel,
                               pipeline=pipeline, pp_mesh=pp_mesh, on_phase=on_phase,
                               after_optimizer_step=after_optimizer_step)

@@ -128,14 +128,17 @@ class PipelineActions:
                     x = inputs[m * mb:(m + 1) * mb]
                 else:
                     x = self.input_buffers[key].detach().requires_grad_(True)
-                out = self.parts[stage](x, **{k: v[m * mb:(m + 1) * mb] for k, v in (model_kwargs or {}).items()})
+                kwargs = {k: v[m * mb:(m + 1) * mb] for k, v in (model_kwargs or {}).items()}
+                if stage == self.last:  # the stage's output projection scores the labels: its output is the loss sum
+                    kwargs["labels"] = labels[m * mb:(m + 1) * mb]
+                out = self.parts[stage](x, **kwargs)
                 loss = None
                 if stage == self.last:
                     self.action = ("loss", stage, m)
                     self._region("")
                     loss = self.loss_fn(out, labels[m * mb:(m + 1) * mb])
                     total = total + local_value(loss.detach()).float().reshape(())  # as Pipeline sums them
-                # The stage keeps its output (the logits, on the last stage) until the backward, as torch's does.
+                # The stage keeps its output (the loss sum, on the last stage) until the backward, as torch's does.
                 in_flight[key] = (x, out, loss)
                 if self.send_wait == "end" and self._sends_forward(stage):
                     held.append(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torchtitan.components.model_parts import loss_chunks
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.engine import CATEGORIES, Estimate
@@ -66,7 +67,8 @@ def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_b
     11 x dim + 3 x kv_dim + 4 x ffn_hidden elements saved for backward (norm inputs/outputs, q/k/v before and
     after rotary, attention output, the four SwiGLU tensors), with per-op AC 4 x dim + 2 x kv_dim + 2 x
     ffn_hidden (matmul and attention outputs), divided by TP; checkpointed blocks keep their input; plus the
-    logits and their fp32 log-softmax (2 x vocab per token, divided by TP with loss parallel).
+    logits and their fp32 log-softmax (2 x vocab per token, divided by TP with loss parallel, and by the loss
+    chunks: chunked logits exist one chunk at a time).
     """
     args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
     tp = parallel_dims.tp
@@ -84,7 +86,7 @@ def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_b
         layers_kept = args.n_layers - len(range(0, args.n_layers, int(ac.selective_ac_option)))
     block_io = args.dim * args.n_layers  # checkpointed blocks keep only their input
     logits = 2 * args.vocab_size / (tp if parallel_dims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
-                                    else 1)
+                                    else 1) / loss_chunks(cfg, parallel_dims, None, args.vocab_size)
     act_elems = tokens * (per_layer * layers_kept / tp + block_io / tp + logits)
     n = est.counts["parameters"]
     return {

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.models.attention import document_causal_mask
 from torchtitan.models.moe import MoE
 from torchtitan.models.random_fill import Constant, Normal, TruncNormal
@@ -129,6 +131,44 @@ class TransformerBlock(nn.Module):
         (self.moe if self.moe is not None else self.feed_forward).init_weights(self.weight_init_std, param_init)
 
 
+class OutputProjection(nn.Linear):
+    """The projection to the vocabulary, [.., dim] -> logits [.., vocab]; given `labels`, the cross-entropy sum
+    over them instead, computed in `loss_chunks` chunks of tokens so that full-vocabulary logits never exist at
+    once (docs/performance.md, "Chunked loss"). Training with more than one chunk recomputes each chunk's logits
+    in the backward (one more forward matmul of this layer) rather than keeping them."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.loss_chunks = 1
+        # logits [tokens, vocab], labels [tokens] -> loss sum; the trainer may swap in a compiled one
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+        # What a chunk's logits go through before the loss: tensor parallel without loss parallel gathers the
+        # vocab-sharded logits here (torchtitan/distributed/tensor_parallel.py, OutputParallel).
+        self.logits_to_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        h, labels = h.flatten(0, -2), labels.flatten()
+        chunks = max(1, min(self.loss_chunks, h.shape[0]))
+        if chunks == 1:
+            return self._chunk_loss(h, self.weight, labels)
+        size = -(-h.shape[0] // chunks)
+        total = None
+        for h_chunk, labels_chunk in zip(h.split(size), labels.split(size), strict=True):
+            # The weight goes in as an argument: under FSDP it is the gathered parameter, whose storage the
+            # backward gathers again before the recompute reads it.
+            loss = (checkpoint(self._chunk_loss, h_chunk, self.weight, labels_chunk, use_reentrant=False,
+                               preserve_rng_state=False)
+                    if torch.is_grad_enabled() else self._chunk_loss(h_chunk, self.weight, labels_chunk))
+            total = loss if total is None else total + loss
+        return total
+
+    def _chunk_loss(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, weight)
+        return self.loss_fn(logits if self.logits_to_loss is None else self.logits_to_loss(logits), labels)
+
+
 class Decoder(nn.Module):
     """Decoder skeleton: tokens [B, S] -> logits [B, S, vocab]. A family gives its block class
     (`block_cls(layer_id, model_args)`) and its rotary table (`rope_table`).
@@ -144,7 +184,7 @@ class Decoder(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = nn.ModuleDict({str(i): block_cls(i, model_args) for i in range(model_args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.output: OutputProjection | None = OutputProjection(model_args.dim, model_args.vocab_size)
         if model_args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: it is a pure function of the config, so checkpoints need not carry it.
@@ -210,12 +250,14 @@ class Decoder(nn.Module):
                 fill(self.output.weight, trunc_normal(self.model_args.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens` [batch, seq] (or a pipeline stage's hidden states).
         `positions`: the tokens' rotary positions when they are not 0 .. seq - 1: [seq] (context parallel holds two
         chunks of each sequence) or [batch, seq] (document masking restarts them in every document).
         `document_ids` [batch, seq]: attention stays within each document (packed sequences); under context
-        parallel the whole sequence's ids, since its attention reads every rank's keys."""
+        parallel the whole sequence's ids, since its attention reads every rank's keys.
+        `labels` [batch, seq]: return the cross-entropy sum over them rather than the logits (a stage without the
+        output projection ignores them: the pipeline hands every stage the same inputs)."""
         # The whole rotary table goes to the blocks, which take the rows they need from the sequence length inside
         # attention: a pipeline stage's input may be a sequence-sharded activation (tensor parallel), whose
         # length is not the sequence's.
@@ -227,4 +269,7 @@ class Decoder(nn.Module):
             h = layer(h, rope, document_ids)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        # labels by keyword: tensor parallel's hooks on `output` take and return the positional hidden states only
+        return self.output(h) if labels is None else self.output(h, labels=labels)
