@@ -118,9 +118,14 @@ class TransformerBlock(nn.Module):
         depth = (layer_id + 1) if model_args.depth_init else model_args.n_layers
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                cache: Any = None) -> torch.Tensor:
+        """`cache`: this layer's part of a generation KV cache (a LayerCache of torchtitan/generation/kv_cache.py), or
+        None."""
+        if cache is None:
+            h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids)
+        else:  # by keyword: tensor parallel's input hooks on `attention` take its three positional inputs only
+            h = x + self.attention(self.attention_norm(x), freqs_cis, document_ids, cache=cache)
         mlp = self.moe if self.moe is not None else self.feed_forward
         return h + mlp(self.ffn_norm(h))
 
@@ -250,23 +255,38 @@ class Decoder(nn.Module):
                 fill(self.output.weight, trunc_normal(self.model_args.dim**-0.5))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                cache: Any = None) -> torch.Tensor:
         """`tokens` [batch, seq] (or a pipeline stage's hidden states).
         `positions`: the tokens' rotary positions when they are not 0 .. seq - 1: [seq] (context parallel holds two
         chunks of each sequence) or [batch, seq] (document masking restarts them in every document).
         `document_ids` [batch, seq]: attention stays within each document (packed sequences); under context
         parallel the whole sequence's ids, since its attention reads every rank's keys.
         `labels` [batch, seq]: return the cross-entropy sum over them rather than the logits (a stage without the
-        output projection ignores them: the pipeline hands every stage the same inputs)."""
+        output projection ignores them: the pipeline hands every stage the same inputs).
+        `cache`: generation's KVCache (torchtitan/generation/kv_cache.py): the tokens continue what it holds, each
+        block reads and extends its layer's part, `positions` default to the cache's per-row ones, and only the last
+        position's logits are returned ([batch, 1, vocab]: all generation needs, where a long prompt's full logits
+        could outweigh the model)."""
         # The whole rotary table goes to the blocks, which take the rows they need from the sequence length inside
         # attention: a pipeline stage's input may be a sequence-sharded activation (tensor parallel), whose
         # length is not the sequence's.
         if tokens.dim() == 2 and tokens.shape[1] > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        if cache is not None:
+            if document_ids is not None or labels is not None:
+                raise ValueError("a KV cache takes neither document_ids nor labels")
+            slot_positions = cache.reserve(tokens.shape[1])  # also fixes this forward's cache slots and mask
+            positions = slot_positions if positions is None else positions
         rope = self.freqs_cis if positions is None else self.freqs_cis[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, rope, document_ids)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, rope, document_ids)
+        else:
+            for key, layer in self.layers.items():
+                h = layer(h, rope, cache=cache.layer(key))
+            h = h[:, -1:]  # the norm and the output projection act per position: the last one is all we need
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -21,8 +21,10 @@ and only stores the result de-interleaved, which q.k does not see; so conversion
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.decoder import CausalAttention, Decoder, ParamInit, RMSNorm, trunc_normal
@@ -30,6 +32,9 @@ from torchtitan.models.decoder import TransformerBlock as _Block
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs, attention_flops, yarn_mscale
 from torchtitan.models.llama3.model import apply_rotary_emb
 from torchtitan.models.qwen3.model import get_active_nparams
+
+if TYPE_CHECKING:  # annotations only: the models do not depend on the generation package
+    from torchtitan.generation.kv_cache import LayerCache
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of q_norm and kv_norm: fixed in the reference and in transformers, whatever rms_norm_eps is."""
@@ -129,8 +134,11 @@ class MLAttention(nn.Module):
         s = a.rope_scaling
         self.q_scale = yarn_mscale(s.factor, s.mscale_all_dim) ** 2 if s is not None and s.mscale_all_dim else 1.0
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache`: generation's cache of this layer (torchtitan/generation/kv_cache.py). It holds the compressed
+        form, (kv_norm(latent), rotated k_pe) per token; the prompt's forward attends as training does, later ones
+        attend in the latent space (`_latent_attention`), never expanding the cached tokens to per-head keys."""
         bsz, seq_len, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # Head counts come from the tensors, not the config (as in the Llama model).
@@ -138,18 +146,47 @@ class MLAttention(nn.Module):
                                                                           self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_handoff(self.kv_norm(latent), k_pe)
-        kv = self.wkv_b(latent).view(bsz, seq_len, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         # contiguous(): the rotation views channel pairs as complex numbers, which needs an even storage offset.
         q_pe = apply_rotary_emb(q_pe.contiguous(), freqs_cis)
         k_pe = apply_rotary_emb(k_pe.contiguous().unsqueeze(2), freqs_cis)  # [B, S, 1, rope]: shared by the heads
+        if cache is not None:
+            (cached,) = cache.update(torch.cat([latent, k_pe.squeeze(2)], dim=-1))  # [B, end, kv_lora + rope]
+            if cache.start > 0:
+                return self._latent_attention(q_nope, q_pe, cached, cache)
+        kv = self.wkv_b(latent).view(bsz, seq_len, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         # v is narrower or wider than q and k: SDPA takes a different value width as it is.
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        if cache is None:
+            out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        else:  # the prompt: nothing cached before it, so its own keys are all there is (masked for padding)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=cache.attn_mask, is_causal=cache.is_causal)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def _latent_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cached: torch.Tensor,
+                          cache: LayerCache) -> torch.Tensor:
+        """Attention over the cached (latent, k_pe) of every earlier token, with wkv_b absorbed into the query and
+        the output: head h's q_nope . k_nope = (q_nope W_k[h]) . latent and its output is (sum p latent) W_v[h]^T,
+        where wkv_b = per head [W_k (qk_nope rows); W_v (v_head_dim rows)] over kv_lora_rank columns. So all heads
+        share one key [latent, k_pe] and one value (latent) per token, as multi-query attention does.
+        q_nope, q_pe: [B, S, heads, width]; cached: [B, end, kv_lora_rank + qk_rope_head_dim]."""
+        bsz, seq_len, n_heads, _ = q_nope.shape
+        w_k, w_v = self.wkv_b.weight.view(n_heads, -1, self.kv_lora_rank).split(
+            [self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q = torch.cat([torch.einsum("bshn,hnc->bhsc", q_nope, w_k), q_pe.transpose(1, 2)], dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        kv = cached.unsqueeze(1)  # [B, 1, end, kv_lora + rope]: one head, shared
+        # The softmax scale of the expanded form (its q width is qk_head_dim), not of this q's width.
+        out = F.scaled_dot_product_attention(q, kv, kv[..., :self.kv_lora_rank], attn_mask=cache.attn_mask,
+                                             is_causal=cache.is_causal, scale=self.qk_head_dim**-0.5,
+                                             enable_gqa=True)
+        out = torch.einsum("bhsc,hvc->bshv", out, w_v)  # [B, S, heads, v_head_dim]
+        return self.wo(out.reshape(bsz, seq_len, -1))
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:
         if self.wq is not None:

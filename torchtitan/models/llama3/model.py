@@ -9,8 +9,10 @@ outside by submodule name, so the attribute names below are a contract: `tok_emb
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.decoder import (  # noqa: F401  (RMSNorm, FeedForward, ParamInit: also imported from here)
@@ -25,6 +27,9 @@ from torchtitan.models.decoder import (
     TransformerBlock as _Block,
 )
 from torchtitan.models.llama3.args import RoPEScaling, TransformerModelArgs
+
+if TYPE_CHECKING:  # annotations only: the models do not depend on the generation package
+    from torchtitan.generation.kv_cache import LayerCache
 
 # ---------------------------------------------------------------------------------------------
 # Rotary position embedding
@@ -103,6 +108,15 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+    """Generation's attention: q [B, heads, S, head_dim] over the cached keys and values, extended first by k and v
+    [B, kv_heads, S, head_dim] (stored in this layout: each step reads contiguous per-head slices). The cache's mask
+    hides left padding (and adds causality where a plain causal flag does not express it)."""
+    k, v = cache.update(k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask, is_causal=cache.is_causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions."""
 
@@ -116,8 +130,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, model_args.dim, bias=False)
         self.sdpa = CausalAttention()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache`: generation's cache of this layer (torchtitan/generation/kv_cache.py): the rotated keys and the
+        values of these tokens are added to it, and the queries attend to everything it holds."""
         bsz, seq_len, _ = x.shape
         # Head counts come from the tensors, not the config: under tensor parallelism each rank
         # only holds a slice of the heads, and q and kv heads are sliced in the same proportion.
@@ -126,7 +142,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q = apply_rotary_emb(q, freqs_cis)
         k = apply_rotary_emb(k, freqs_cis)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        if cache is None:
+            out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        else:
+            out = cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:

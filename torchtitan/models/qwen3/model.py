@@ -13,14 +13,19 @@ and optional MoE blocks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from torchtitan.models.decoder import CausalAttention, Decoder, ParamInit, RMSNorm, trunc_normal
 from torchtitan.models.decoder import TransformerBlock as _Block
-from torchtitan.models.llama3.model import precompute_freqs_cis
+from torchtitan.models.llama3.model import cached_attention, precompute_freqs_cis
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
+
+if TYPE_CHECKING:  # annotations only: the models do not depend on the generation package
+    from torchtitan.generation.kv_cache import LayerCache
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -61,8 +66,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, eps=model_args.norm_eps)
         self.sdpa = CausalAttention()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """`cache`: generation's cache of this layer, as in the Llama model (rotated, normed keys and values)."""
         bsz, seq_len, _ = x.shape
         # Head counts come from the tensors, not the config, as in the Llama model (a tensor-parallel rank holds a
         # slice of the heads).
@@ -71,7 +77,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q = apply_rotary_emb(q, freqs_cis)
         k = apply_rotary_emb(k, freqs_cis)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        if cache is None:
+            out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_ids)
+        else:
+            out = cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def init_weights(self, out_std: float, param_init: ParamInit) -> None:
