@@ -66,6 +66,11 @@ def test_boxes_across_chunks_equal_the_slices_of_the_whole_tensor(fill):
         box = torch.empty(shape)
         fill.fill_box(box, MULTI_CHUNK, offset)
         assert torch.equal(box, whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]), offset
+    # An accelerator generates in ACCELERATOR_CHUNK steps (the whole tensor at once here): the same values.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(random_fill, "chunk_elements", lambda device: random_fill.ACCELERATOR_CHUNK)
+        torch.manual_seed(11)
+        assert torch.equal(fill(torch.empty(MULTI_CHUNK)), whole)
 
 
 def _sharded_fills(layouts: list, chunk: int) -> list[tuple]:

@@ -19,6 +19,15 @@ import math
 import torch
 
 CHUNK = 1 << 20  # elements per generation step: the temporaries stay near CHUNK x 40 bytes (int64 and float64)
+# On an accelerator the values are generated where the parameter lives, in larger steps (a step is a few kernel
+# launches; 16M elements keep ~640 MB of temporaries): an 8B model's init then runs at memory bandwidth instead
+# of through the host's float64 erfinv and a copy per chunk. The values are a function of (seed, element) on
+# every device (integer hashing is exact; erfinv in float64 then rounded to the parameter's dtype).
+ACCELERATOR_CHUNK = 1 << 24
+
+
+def chunk_elements(device: torch.device) -> int:
+    return CHUNK if device.type == "cpu" else ACCELERATOR_CHUNK
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; the products wrap the same way)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -38,20 +47,21 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_at(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """float64 in (0, 1), a function of (seed, index) only; `index` int64 (any shape)."""
+    """float64 in (0, 1), a function of (seed, index) only; `index` int64 (any shape, on any device)."""
     key = int(_mix(torch.tensor([(seed * _GOLDEN) % (1 << 63)], dtype=torch.int64))[0])
     bits = _shr(_mix(index * _GOLDEN + key), 11)  # the top 53 bits
     return (bits.double() + 0.5) * 2.0**-53
 
 
 def _flat_index(global_shape: tuple[int, ...], offset: tuple[int, ...], rows: range,
-                local_shape: tuple[int, ...]) -> torch.Tensor:
+                local_shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
     """Flat indices in the whole tensor of the box rows x local_shape[1:] starting at `offset`."""
     strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
-    index = torch.zeros((), dtype=torch.int64)
+    index = torch.zeros((), dtype=torch.int64, device=device)
     for d, size in enumerate(local_shape):
         span = range(rows.start, rows.stop) if d == 0 else range(size)
-        coords = torch.arange(offset[d] + span.start, offset[d] + span.stop, dtype=torch.int64) * strides[d]
+        coords = torch.arange(offset[d] + span.start, offset[d] + span.stop, dtype=torch.int64,
+                              device=device) * strides[d]
         index = index.unsqueeze(-1) + coords
     return index
 
@@ -72,14 +82,15 @@ class Fill:
     def fill_box(self, local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> None:
         """Fill `local` with the values of the box of the whole [global_shape] tensor that starts at `offset`."""
         seed = torch.initial_seed()
+        device = local.device if local.device.type != "meta" else None
         if local.dim() == 0:
-            local.copy_(self.values(uniform_at(seed, torch.zeros((), dtype=torch.int64))))
+            local.copy_(self.values(uniform_at(seed, torch.zeros((), dtype=torch.int64, device=device))))
             return
         row = max(1, math.prod(local.shape[1:]))
-        step = max(1, CHUNK // row)
+        step = max(1, chunk_elements(local.device) // row)
         for start in range(0, local.shape[0], step):
             rows = range(start, min(start + step, local.shape[0]))
-            index = _flat_index(tuple(global_shape), tuple(offset), rows, tuple(local.shape))
+            index = _flat_index(tuple(global_shape), tuple(offset), rows, tuple(local.shape), device)
             local[rows.start:rows.stop].copy_(self.values(uniform_at(seed, index)))
 
 
