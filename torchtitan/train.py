@@ -35,6 +35,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_dict
 from torchtitan.config.preflight import check_job, checked_tokenizer
 from torchtitan.config.resolve import Resolved
+from torchtitan.data.chat_loader import build_sft_dataloader
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.data.mixture import build_mixture_dataloader
@@ -101,6 +102,8 @@ class Trainer:
         if t.dataset_mixture:  # several weighted sources: docs/data.md, "Dataset mixtures"
             self.dataloader = build_mixture_dataloader(entries=t.dataset_mixture, source_args=source_args,
                                                        **loader_args)
+        elif t.dataset_format != "text":  # conversations for supervised fine-tuning: docs/finetuning.md
+            source, self.dataloader = build_sft_dataloader(t, source_args, loader_args)
         else:
             source = build_document_source(dataset=t.dataset, dataset_path=t.dataset_path, key_prefix="training",
                                            **source_args)

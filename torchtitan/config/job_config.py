@@ -84,6 +84,16 @@ class Training:
     """Split of a hub or local dataset to read"""
     dataset_streaming: str = "auto"
     """auto | true | false: stream instead of loading into the datasets cache (auto: hub and local data > 1 GB)"""
+    dataset_format: str = "text"
+    """text (documents) | chat (messages) | prompt_response | alpaca | auto (from the fields): docs/finetuning.md"""
+    chat_template: str = "auto"
+    """Chat data: auto (the tokenizer's, else by its tokens) | tokenizer | llama3 | chatml | deepseek_v3 | a .jinja"""
+    train_on: str = "assistant"
+    """Chat data: assistant (labels on assistant replies and their end-of-turn token only) | all (every token)"""
+    sft_packing: str = "pad"
+    """Chat data: pad (one conversation per row) | pack (several per row; needs model.attn_mask_type block_causal)"""
+    truncation: str = "truncate"
+    """Chat data: a conversation over seq_len + 1 tokens is cut (truncate) or skipped (drop); both are counted"""
     num_workers: int = -1
     """Processes per rank that tokenize ahead of the step (0 = the training process does; -1 = 2 on GPU, 0 on CPU)"""
     local_batch_size: int = 8

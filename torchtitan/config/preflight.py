@@ -71,13 +71,24 @@ def check_inputs(cfg: JobConfig) -> None:
     from torchtitan.data.tokenizer import default_cache_dir
     from torchtitan.models.registry import get_model_spec
 
-    checked_tokenizer(cfg, get_model_spec(cfg.model.name).flavors[cfg.model.flavor].vocab_size)
+    tokenizer = checked_tokenizer(cfg, get_model_spec(cfg.model.name).flavors[cfg.model.flavor].vocab_size)
+    chat = cfg.training.dataset_format != "text"
+    if chat:  # the chat template against the tokenizer (its special tokens, a probe conversation)
+        from torchtitan.data.chat import ChatEncoder
+
+        ChatEncoder(tokenizer, cfg.training.chat_template, cfg.training.train_on)
     sections = [] if cfg.training.dataset_mixture else [("training", cfg.training)]
     if cfg.validation.enable:
         sections.append(("validation", cfg.validation))
     for prefix, section in sections:
         path, name = section.dataset_path, section.dataset
         if (path and not is_local_path(path, prefix)) or (not path and DATASETS.get(name) is not None):
+            continue
+        if chat and prefix == "training":
+            from torchtitan.data.chat_source import build_chat_source
+
+            build_chat_source(dataset_path=path, dataset_format=section.dataset_format, split=section.dataset_split,
+                              streaming=section.dataset_streaming, cache_dir=str(default_cache_dir() / "datasets"))
             continue
         build_document_source(dataset=name, dataset_path=path, text_column=section.dataset_text_column,
                               split=section.dataset_split, streaming=section.dataset_streaming,

@@ -129,6 +129,7 @@ def _check_training(cfg: JobConfig) -> None:
         _err(f"training.loss_chunks: must be >= 0 (0 = auto), got {t.loss_chunks}")
     if t.dataset_mixture:
         _check_mixture(cfg)
+    _check_chat_data(cfg)
     v = cfg.validation
     _one_of("validation.dataset_streaming", v.dataset_streaming, ("auto", "true", "false"))
     if v.enable:
@@ -138,6 +139,37 @@ def _check_training(cfg: JobConfig) -> None:
         for key in ("local_batch_size", "seq_len"):
             if getattr(v, key) == 0 or getattr(v, key) < -1:
                 _err(f"validation.{key}: must be -1 (same as training) or > 0, got {getattr(v, key)}")
+
+
+def _check_chat_data(cfg: JobConfig) -> None:
+    """dataset_format and the keys only chat data reads (docs/finetuning.md): those keys are refused on text data,
+    and chat data needs one dataset_path, its own fields (no text column) and, packed, document masking."""
+    t, defaults = cfg.training, JobConfig().training
+    _one_of("training.dataset_format", t.dataset_format, ("text", "chat", "prompt_response", "alpaca", "auto"))
+    if t.dataset_format == "text":
+        for key in ("chat_template", "train_on", "sft_packing", "truncation"):
+            if getattr(t, key) != getattr(defaults, key):
+                _err(f"training.{key}: only read for chat data (training.dataset_format chat, prompt_response, "
+                     f"alpaca or auto), and dataset_format is text")
+        return
+    fmt = t.dataset_format
+    builtin = ("auto", "tokenizer", "llama3", "chatml", "deepseek_v3")
+    if t.chat_template not in builtin and not t.chat_template.endswith(".jinja"):
+        _err(f"training.chat_template: '{t.chat_template}' is not one of {', '.join(builtin)} or a .jinja file")
+    _one_of("training.train_on", t.train_on, ("assistant", "all"))
+    _one_of("training.sft_packing", t.sft_packing, ("pad", "pack"))
+    _one_of("training.truncation", t.truncation, ("truncate", "drop"))
+    if t.dataset_mixture:
+        _err(f"training.dataset_mixture: mixtures are of text data; dataset_format {fmt} reads training.dataset_path")
+    if not t.dataset_path:
+        _err(f"training.dataset_path: dataset_format {fmt} reads conversations from local json/jsonl/parquet files "
+             "or a hub dataset; the registry datasets are text")
+    if t.dataset_text_column != defaults.dataset_text_column:
+        _err(f"training.dataset_text_column: not read with dataset_format {fmt} (its records have fixed fields: "
+             "docs/finetuning.md)")
+    if t.sft_packing == "pack" and cfg.model.attn_mask_type != "block_causal":
+        _err("training.sft_packing: pack puts several conversations in a row and needs model.attn_mask_type = "
+             "block_causal so that none attends to another (or use sft_packing = pad)")
 
 
 def _check_mixture(cfg: JobConfig) -> None:

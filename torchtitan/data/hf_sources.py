@@ -36,7 +36,7 @@ from typing import Any
 from torchtitan.data.source import DocumentSource
 from torchtitan.tools.logging import logger
 
-__all__ = ["build_hub_source", "build_path_source"]
+__all__ = ["build_hub_source", "build_path_source", "open_hub_dataset", "open_path_dataset"]
 
 _STREAM_AUTO_BYTES = 1_000_000_000
 _TXT_DOCUMENT_MAX_BYTES = 64 << 20
@@ -92,10 +92,22 @@ def build_path_source(
     dataset_path: str, column: str, split: str, mode: str, cache_dir: str | None, p: str
 ) -> DocumentSource:
     """The source for `<p>.dataset_path`; mode is auto | true | false (already validated)."""
-    files = _resolve_local(dataset_path, p)
-    if files is None:  # not on this machine: a hub dataset
+    opened = open_path_dataset(dataset_path, column, split, mode, cache_dir, p)
+    if opened is None:  # not on this machine: a hub dataset
         name, _, config = dataset_path.partition(":")
         return build_hub_source(dataset_path, name, config or None, split, column, mode, cache_dir, p, "dataset_path")
+    ds, streamed, where = opened
+    return _checked(dataset_path, p, "dataset_path", ds, column, streamed, where)
+
+
+def open_path_dataset(
+    dataset_path: str, column: str | None, split: str, mode: str, cache_dir: str | None, p: str
+) -> tuple[Any, bool, str] | None:
+    """(datasets object, streamed, where for messages) of local data, checked file by file; None for a hub name.
+    column: the text column a parquet file must hold (None: every column is checked, as chat data has several)."""
+    files = _resolve_local(dataset_path, p)
+    if files is None:
+        return None
     if split != "train":
         raise ValueError(f"{p}.dataset_split: local files have only the 'train' split, got '{split}' "
                          f"(point {p}.dataset_path at the files of that split instead)")  # fmt: skip
@@ -131,8 +143,7 @@ def build_path_source(
         while cause.__cause__ or cause.__context__:  # datasets wraps the real error
             cause = cause.__cause__ or cause.__context__
         raise ValueError(f"{p}.dataset_path: cannot load {dataset_path}: {_one_line(cause)}") from None
-    where = str(files[0]) if len(files) == 1 else dataset_path
-    return _checked(dataset_path, p, "dataset_path", ds, column, streamed, where)
+    return ds, streamed, str(files[0]) if len(files) == 1 else dataset_path
 
 
 def build_hub_source(
@@ -140,6 +151,14 @@ def build_hub_source(
     p: str, key: str,
 ) -> DocumentSource:  # fmt: skip
     """A hub dataset, streamed unless mode is "false"; `key` is the config key that named it."""
+    ds, streamed, where = open_hub_dataset(name, path, config, split, mode, cache_dir, p, key)
+    return _checked(name, p, key, ds, column, streamed, where)
+
+
+def open_hub_dataset(
+    name: str, path: str, config: str | None, split: str, mode: str, cache_dir: str | None, p: str, key: str,
+) -> tuple[Any, bool, str]:  # fmt: skip
+    """(datasets object, streamed, where for messages) of a hub dataset, streamed unless mode is "false"."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -151,7 +170,7 @@ def build_hub_source(
         local = f"no local file or folder '{name}'; " if key == "dataset_path" else ""
         raise ValueError(f"{p}.{key}: {local}cannot open {where}: {_one_line(e)} "
                          f"(offline? point {p}.dataset_path at local files)") from None  # fmt: skip
-    return _checked(name, p, key, ds, column, streamed, where)
+    return ds, streamed, where
 
 
 def _plain_suffix(path: Path) -> str:
@@ -204,8 +223,9 @@ def _resolve_local(dataset_path: str, p: str) -> list[Path] | None:
     return files
 
 
-def _check_parquet(f: Path, column: str, p: str) -> None:
-    """The footer (a corrupt file, a missing column), then the text column's UTF-8, in Arrow (C++)."""
+def _check_parquet(f: Path, column: str | None, p: str) -> None:
+    """The footer (a corrupt file, a missing column), then the text column's UTF-8 (every column's: None), in
+    Arrow (C++)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -214,16 +234,17 @@ def _check_parquet(f: Path, column: str, p: str) -> None:
         names = parquet.schema_arrow.names
     except (OSError, pa.ArrowException) as e:
         raise ValueError(f"{p}.dataset_path: {f} is not a readable parquet file: {_one_line(e)}") from None
-    if column not in names:
+    if column is not None and column not in names:
         raise ValueError(f"{p}.dataset_text_column: no column '{column}' in {f}; columns: {', '.join(names)}")
     row = 0
     try:
-        for batch in parquet.iter_batches(batch_size=65536, columns=[column]):
-            batch.column(0).validate(full=True)  # full: includes UTF-8 of string data
+        for batch in parquet.iter_batches(batch_size=65536, columns=None if column is None else [column]):
+            batch.validate(full=True)  # full: includes UTF-8 of string data
             row += batch.num_rows
     except (OSError, pa.ArrowException) as e:
         what = "is not valid UTF-8" if "UTF8" in str(e) else "is not readable"
-        raise ValueError(f"{p}.dataset_path: {f} column '{column}' {what} (rows {row}-{row + 65535}): "
+        which = f" column '{column}'" if column is not None else ""
+        raise ValueError(f"{p}.dataset_path: {f}{which} {what} (rows {row}-{row + 65535}): "
                          f"{_one_line(e)}") from None  # fmt: skip
 
 
