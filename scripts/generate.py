@@ -5,6 +5,7 @@
     options: --max-new-tokens 64  --temperature 0 (greedy) | 0.8 [--top-k 50] [--top-p 0.95] [--seed 0]
              --stop-token ID (repeatable; the tokenizer's EOS stops too unless --ignore-eos)
              --ids (prompts and output as token ids: no tokenizer)  --logprobs  --json  --batch-size 8
+             --chat [auto|tokenizer|llama3|chatml|deepseek_v3|FILE.jinja] (prompts as user messages)
              --device cuda|cpu  --dtype float32|bfloat16
 
 The folder's kind is told by its files: config.json (Hugging Face, written by `checkpoint.last_save_in_hf` or
@@ -12,9 +13,11 @@ scripts/convert_checkpoint.py; the model is the one whose adapter reads config.j
 or .metadata (DCP: a DCP folder does not record its model, so `--model` and `--flavor` name it as in the run's config,
 `--seq-len` its training.seq_len when the run changed max_seq_len; its tokenizer is `--tokenizer`, as
 model.tokenizer_path, by default the default BPE sized to the model). Prompts come from `--prompt` (repeatable) and
-`--prompts-file` (one prompt per line; in a .jsonl file, one JSON string or {"prompt": ...} object per line). Each is
-encoded with BOS first (unless --no-bos) and continued by torchtitan/generation (KV cache, greedy or sampled; see
-docs/generation.md). Runs on one device, the whole model on it.
+`--prompts-file` (one prompt per line; in a .jsonl file, one JSON string, {"prompt": ...} object or conversation
+{"messages": [...]} per line). Each is encoded with BOS first (unless --no-bos), or with `--chat [TEMPLATE]` (and
+always for a conversation) rendered by the chat template up to the assistant's header (docs/finetuning.md), and
+continued by torchtitan/generation (KV cache, greedy or sampled; see docs/generation.md). Runs on one device, the
+whole model on it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ use_project_python()  # the system Python re-runs this under the project's (scri
 
 import torch  # noqa: E402
 
+from torchtitan.data.chat import render_generation_prompt, stop_token_ids  # noqa: E402
 from torchtitan.generation import GenerationConfig, generate  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -139,7 +143,8 @@ def load_tokenizer(ns: argparse.Namespace, vocab_size: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def read_prompts(ns: argparse.Namespace) -> list[str]:
+def read_prompts(ns: argparse.Namespace) -> list[str | list[dict]]:
+    """Text prompts, and conversations ({"messages": [...]} lines of a .jsonl file), in order."""
     prompts = list(ns.prompt or [])
     if ns.prompts_file:
         path = Path(ns.prompts_file)
@@ -157,10 +162,11 @@ def read_prompts(ns: argparse.Namespace) -> list[str]:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise GenerateError(f"{path}:{i}: invalid JSON ({e})") from None
-            if isinstance(item, dict) and "messages" in item:
-                # CHAT TEMPLATES GO HERE: a {"messages": [...]} line is to be rendered by torchtitan/data/chat.py
-                # (planned) into the model's chat format, then encoded as the text prompts are.
-                raise GenerateError(f"{path}:{i}: chat messages are not supported yet (no chat template renderer)")
+            if isinstance(item, dict) and "messages" in item:  # rendered with the chat template (encode_prompt)
+                if ns.ids:
+                    raise GenerateError(f"{path}:{i}: chat messages need a tokenizer (not --ids)")
+                prompts.append(item["messages"])
+                continue
             text = item.get("prompt") if isinstance(item, dict) else item
             if not isinstance(text, str):
                 raise GenerateError(f"{path}:{i}: expected a JSON string or an object with a \"prompt\" string")
@@ -170,9 +176,15 @@ def read_prompts(ns: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def encode_prompt(text: str, tokenizer, ns: argparse.Namespace) -> list[int]:
-    """Token ids of one prompt. CHAT TEMPLATES GO HERE as well: once torchtitan/data/chat.py exists, a --chat option
-    renders the prompt as a user message (and the assistant's turn header) before encoding."""
+def encode_prompt(text: str | list[dict], tokenizer, ns: argparse.Namespace) -> list[int]:
+    """Token ids of one prompt. A conversation, or any prompt with --chat (as one user message), is rendered by the
+    chat template up to the assistant's turn header (torchtitan/data/chat.py)."""
+    if isinstance(text, list) or ns.chat:
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+        try:
+            return render_generation_prompt(tokenizer, messages, ns.chat or "auto")
+        except ValueError as e:
+            raise GenerateError(str(e)) from None
     if ns.ids:
         try:
             ids = [int(t) for t in text.replace(",", " ").split()]
@@ -205,7 +217,9 @@ def run(ns: argparse.Namespace) -> list[dict]:
     tokenizer = None if ns.ids else load_tokenizer(ns, vocab)
     stop = list(ns.stop_token or [])
     if tokenizer is not None and not ns.ignore_eos:
-        stop.append(tokenizer.eos_id)
+        chat = ns.chat or ("auto" if any(isinstance(p, list) for p in prompts) else None)
+        # a chat reply ends at the template's end-of-turn token (then EOS)
+        stop.extend(stop_token_ids(tokenizer, chat) if chat else [tokenizer.eos_id])
     config = GenerationConfig(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
                               top_p=ns.top_p, stop_tokens=tuple(stop), seed=ns.seed, return_logprobs=ns.logprobs)
     encoded = [encode_prompt(p, tokenizer, ns) for p in prompts]
@@ -232,9 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="Hugging Face folder (config.json) or DCP step folder (.metadata)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", help="one prompt per line; .jsonl: a JSON string or {\"prompt\": ...} per line")
+    p.add_argument("--prompts-file", help="one prompt per line; .jsonl: a JSON string, {\"prompt\": ...} or a "
+                   "conversation {\"messages\": [...]} (chat template) per line")
     p.add_argument("--ids", action="store_true", help="prompts are token ids (space or comma separated); no tokenizer")
     p.add_argument("--no-bos", action="store_true", help="do not put the tokenizer's BOS before each prompt")
+    p.add_argument("--chat", nargs="?", const="auto", default=None, metavar="TEMPLATE",
+                   help="render each prompt as a user message with the chat template (auto | tokenizer | llama3 | "
+                   "chatml | deepseek_v3 | a .jinja file; as training.chat_template) and stop at its end of turn")
     p.add_argument("--model", default=None, help="registered model name (DCP: default llama3; Hugging Face: the one "
                    "whose adapter reads config.json)")
     p.add_argument("--flavor", default=None, help="the run's model.flavor (DCP folders)")

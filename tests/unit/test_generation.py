@@ -331,7 +331,34 @@ def test_script_reads_prompt_files(tmp_path: Path) -> None:
     assert read("--prompt", "p0", "--prompts-file", str(tmp_path / "p.txt")) == [
         "p0", "first prompt", 'second: {"not json"}']
     assert read("--prompts-file", str(tmp_path / "p.jsonl")) == ["a string", "an object"]
-    with pytest.raises(script.GenerateError, match="chat messages are not supported yet"):
-        read("--prompts-file", str(tmp_path / "chat.jsonl"))
+    assert read("--prompts-file", str(tmp_path / "chat.jsonl")) == [[{"role": "user", "content": "hi"}]]
+    with pytest.raises(script.GenerateError, match="need a tokenizer"):
+        read("--ids", "--prompts-file", str(tmp_path / "chat.jsonl"))
     with pytest.raises(script.GenerateError, match="no prompts"):
         read()
+
+
+def test_script_renders_conversations_with_the_chat_template(tmp_path: Path, capsys) -> None:
+    from tests.unit.test_chat_data import make_tokenizer
+    from torchtitan.components.hf_io import save_hf
+    from torchtitan.data.chat import render_generation_prompt, stop_token_ids
+
+    tok = make_tokenizer(tmp_path / "tok")  # bytes plus the chat special tokens of the three families
+    model = _build("llama3")
+    folder = save_hf(tmp_path / "hf", model.state_dict(), model.model_args, model="llama3", tokenizer=tok)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    argv = [str(folder), "--prompts-file", str(tmp_path / "chat.jsonl"), "--prompt", "Hello", "--chat", "chatml",
+            "--max-new-tokens", "5", "--json", "--device", "cpu"]
+    assert _script().main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # a text prompt as one user message, and a conversation, each up to the assistant's header
+    prompts = [render_generation_prompt(tok, [{"role": "user", "content": "Hello"}], "chatml"),
+               render_generation_prompt(tok, messages, "chatml")]
+    assert [r["prompt_tokens"] for r in records] == prompts
+    for ids in prompts:  # ... <|im_start|> then "assistant\n", one token per character
+        assert tok.backend.id_to_token(ids[-11]) == "<|im_start|>" and tok.decode(ids[-10:]) == "assistant\n"
+    stop = tuple(stop_token_ids(tok, "chatml"))  # <|im_end|>, then EOS
+    assert stop[0] == tok.backend.token_to_id("<|im_end|>")
+    want = generate(model, prompts, GenerationConfig(max_new_tokens=5, stop_tokens=stop)).sequences()
+    assert [r["tokens"] for r in records] == want
