@@ -379,16 +379,20 @@ def _train(argv: list[str]) -> None:
 
 def test_training_on_chat_data_counts_only_assistant_tokens(tmp_path):
     """A few steps of the debug model on a chat jsonl: the loss's token count (tokens_seen) is the number of
-    assistant characters plus one end of turn per reply, counted from the records themselves."""
+    assistant characters plus one end of turn per reply, counted from the records themselves; so is validation's on
+    held-out conversations."""
     records = conversations(12, seed=3, max_turns=1)
     path = write_jsonl(tmp_path / "chat.jsonl", records)
+    held_out = conversations(5, seed=4, max_turns=1)  # validation: held-out conversations, rendered the same way
+    val_path = write_jsonl(tmp_path / "val.jsonl", held_out)
     make_tokenizer(tmp_path / "tok")
     steps, batch = 3, 2
     argv = ["--model.flavor", "debugmodel", "--model.tokenizer_path", str(tmp_path / "tok"),
             "--training.dataset_format", "chat", "--training.dataset_path", str(path), "--training.chat_template",
             "llama3", "--training.seq_len", "64", "--training.local_batch_size", str(batch), "--training.steps",
             str(steps), "--training.num_workers", "0", "--metrics.log_freq", "1", "--job.dump_folder",
-            str(tmp_path / "out"), "--lr_scheduler.warmup_steps", "1"]
+            str(tmp_path / "out"), "--lr_scheduler.warmup_steps", "1", "--validation.enable", "true",
+            "--validation.dataset_path", str(val_path), "--validation.freq", str(steps), "--validation.steps", "-1"]
     code, out, err = run_main(_train, argv, env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                                                  "TORCHTITAN_CACHE_DIR": str(tmp_path / "cache")}, cwd=REPO)
     assert code == 0, err[-3000:]
@@ -397,3 +401,7 @@ def test_training_on_chat_data_counts_only_assistant_tokens(tmp_path):
     replies = [m["content"] for r in records[: steps * batch] for m in r["messages"] if m["role"] == "assistant"]
     assert metrics[-1]["tokens_seen"] == sum(len(r) + 1 for r in replies)
     assert all(m["loss"] == m["loss"] and 0 < m["loss"] < 20 for m in metrics)
+    # one full pass over the held-out conversations, scoring only their replies
+    val_replies = [m["content"] for r in held_out for m in r["messages"] if m["role"] == "assistant"]
+    (val,) = [m for m in metrics if "val_tokens" in m]
+    assert val["val_tokens"] == sum(len(r) + 1 for r in val_replies) and 0 < val["val_loss"] < 20

@@ -562,6 +562,11 @@ INVALID_VALUES = [
       "body"], "training.dataset_text_column"),
     (["--training.dataset_format", "auto", "--training.dataset_path", "c.jsonl", "--training.sft_packing", "pack"],
      "training.sft_packing"),
+    (["--training.dataset_format", "chat", "--training.dataset_path", "c.jsonl", "--validation.enable", "true"],
+     "validation.dataset_path"),
+    (["--training.dataset_format", "chat", "--training.dataset_path", "c.jsonl", "--validation.enable", "true",
+      "--validation.dataset_path", "v.jsonl", "--validation.dataset_text_column", "body"],
+     "validation.dataset_text_column"),
     # validation (checked only when enabled, except the streaming choice)
     (["--validation.dataset_streaming", "yes"], "validation.dataset_streaming"),
     (["--validation.enable", "--validation.freq", "0"], "validation.freq"),

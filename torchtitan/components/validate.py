@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 
 from torchtitan.components.loss import count_target_tokens
 from torchtitan.config.job_config import JobConfig
+from torchtitan.data.chat_loader import build_sft_dataloader
 from torchtitan.data.dataloader import build_dataloader
 from torchtitan.data.datasets import build_document_source
 from torchtitan.distributed import utils as dist_utils
@@ -47,6 +49,9 @@ class Validator:
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.local_batch_size, self.seq_len = validation_shape(cfg)
         # Built now, so a missing file or column fails before the first training step.
+        if cfg.training.dataset_format != "text":  # held-out conversations, rendered and labelled as training's
+            self.source, self.loader = self._chat_loader(cfg, tokenizer, cache_dir)
+            return
         self.source = build_document_source(
             dataset=cfg.validation.dataset,
             dataset_path=cfg.validation.dataset_path,
@@ -68,6 +73,18 @@ class Validator:
             infinite=False,
             document_masking=cfg.model.attn_mask_type == "block_causal",
         )
+
+    def _chat_loader(self, cfg: JobConfig, tokenizer, cache_dir: str | None):
+        t, v = cfg.training, cfg.validation
+        chat = SimpleNamespace(dataset_path=v.dataset_path, dataset_format=t.dataset_format,
+                               chat_template=t.chat_template, train_on=t.train_on, sft_packing=t.sft_packing,
+                               truncation=t.truncation)
+        return build_sft_dataloader(
+            chat, dict(split=v.dataset_split, streaming=v.dataset_streaming, cache_dir=cache_dir),
+            dict(tokenizer=tokenizer, seq_len=self.seq_len, local_batch_size=self.local_batch_size,
+                 dp_rank=self.dp_rank, dp_degree=self.dp_degree, infinite=False,
+                 document_masking=cfg.model.attn_mask_type == "block_causal"),
+            key_prefix="validation")
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], autocast, pipeline=None) -> dict[str, float]:

@@ -167,6 +167,12 @@ def _check_chat_data(cfg: JobConfig) -> None:
     if t.dataset_text_column != defaults.dataset_text_column:
         _err(f"training.dataset_text_column: not read with dataset_format {fmt} (its records have fixed fields: "
              "docs/finetuning.md)")
+    v = cfg.validation
+    if v.enable and not v.dataset_path:
+        _err(f"validation.dataset_path: with dataset_format {fmt}, validation reads held-out conversations of the "
+             "same format from local files or a hub dataset; the registry datasets are text")
+    if v.enable and v.dataset_text_column != JobConfig().validation.dataset_text_column:
+        _err(f"validation.dataset_text_column: not read with dataset_format {fmt} (conversations have fixed fields)")
     if t.sft_packing == "pack" and cfg.model.attn_mask_type != "block_causal":
         _err("training.sft_packing: pack puts several conversations in a row and needs model.attn_mask_type = "
              "block_causal so that none attends to another (or use sft_packing = pad)")
