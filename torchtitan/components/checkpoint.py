@@ -398,13 +398,15 @@ class CheckpointManager:
         # the model, with or without pipeline parallel. Collective over every rank (on self._pg).
         # The run's tokenizer (the one its data loader encodes with) makes the folder self-contained: tokenizer files
         # and BOS/EOS ids, exactly as scripts/convert_checkpoint.py dcp-to-hf writes them.
-        tokenizer = getattr(self.dataloader, "tokenizer", None)
+        # Chat data (torchtitan/data/chat_loader.py): the tokenizer under its encoder, and the template it rendered with.
+        tokenizer = getattr(self.dataloader, "text_tokenizer", None) or getattr(self.dataloader, "tokenizer", None)
+        chat_template = getattr(self.dataloader, "chat_template", None)
         if tokenizer is None and self.rank == 0:
             logger.info("checkpoint.last_save_in_hf: no tokenizer known to the checkpointer; the Hugging Face folder "
                         "gets no tokenizer files and no BOS/EOS ids")
         try:
             save_hf_sharded(out, model_state_dict(self.model_parts), self.model_args,
-                            dtype=self.cfg.export_dtype, pg=self._pg, tokenizer=tokenizer)
+                            dtype=self.cfg.export_dtype, pg=self._pg, tokenizer=tokenizer, chat_template=chat_template)
         except (RuntimeError, ValueError, OSError) as e:  # raised alike on every rank
             raise CheckpointError(f"checkpoint.last_save_in_hf: cannot write {out}: {cio.one_line(e)}") from e
         logger.info(f"checkpoint: exported Hugging Face folder {out} in {time.perf_counter() - t0:.2f}s")

@@ -174,13 +174,15 @@ def save_hf_sharded(
     model: str | type | None = None,
     pg: dist.ProcessGroup | None = None,
     tokenizer: Any = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Collective over `pg` (default: the world): write the model as an HF folder, each rank its own rows.
 
     Every rank passes its own `model_state_dict(parts)` (DTensors or plain tensors; with pipeline parallel, its
     stages' keys) and the same arguments; the folder must be on a filesystem every rank sees. Returns the folder
     on every rank; a failure on any rank raises on every rank and leaves no folder behind. `tokenizer` (the run's)
-    adds the same tokenizer and generation files as hf_io.save_hf (rank 0 writes them).
+    adds the same tokenizer and generation files as hf_io.save_hf (rank 0 writes them), with `chat_template` (the
+    run's, for chat data) in its tokenizer_config.json.
     """
     folder = Path(folder)
     if dtype not in hf_io._DTYPES:
@@ -246,7 +248,7 @@ def save_hf_sharded(
             hf_io._write_json(tmp / hf_io.INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
             config = adapter_cls.hf_config(model_args, dtype, bos_id=bos_id, eos_id=eos_id)
             hf_io._write_json(tmp / hf_io.CONFIG_NAME, config)
-            hf_tokenizer.write_files(tmp, hf_tokenizer.tokenizer_files(tokenizer, config))
+            hf_tokenizer.write_files(tmp, hf_tokenizer.tokenizer_files(tokenizer, config, chat_template))
             for name in files:
                 hf_io._fsync_file(tmp / name)
             fsync_dir(tmp)

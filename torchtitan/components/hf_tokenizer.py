@@ -122,7 +122,8 @@ def _from_tiktoken(tokenizer: Any) -> Any:
     return backend
 
 
-def _tokenizer_part(tokenizer: Any, bos_id: int, eos_id: int, model_max_length: int | None) -> dict[str, bytes]:
+def _tokenizer_part(tokenizer: Any, bos_id: int, eos_id: int, model_max_length: int | None,
+                    chat_template: str | None = None) -> dict[str, bytes]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json (see `tokenizer_files`)."""
     import tokenizers
     from tokenizers import processors
@@ -155,10 +156,14 @@ def _tokenizer_part(tokenizer: Any, bos_id: int, eos_id: int, model_max_length: 
             "add_bos_token": True,
             "add_eos_token": False,
             # Our tokenizers encode text that spells a special token as text (torchtitan/data/tokenizer_base.py).
-            "split_special_tokens": True,
+            # Not with a chat template: transformers renders the template to text and encodes it whole, so its
+            # special tokens must stay special (a message's content spelling one then becomes it too, as in the
+            # published chat models' tokenizers).
+            "split_special_tokens": not chat_template,
             # Else decode() would drop spaces before punctuation, and text would not round-trip.
             "clean_up_tokenization_spaces": False,
             "model_max_length": model_max_length,
+            **({"chat_template": chat_template} if chat_template else {}),
         }),
         SPECIAL_TOKENS_MAP_NAME: _dump({"bos_token": bos, "eos_token": eos}),
     }
@@ -168,7 +173,7 @@ def _dump(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def tokenizer_files(tokenizer: Any, config: dict[str, Any]) -> dict[str, bytes]:
+def tokenizer_files(tokenizer: Any, config: dict[str, Any], chat_template: str | None = None) -> dict[str, bytes]:
     """Files that make a folder's tokenizer and generation settings loadable by transformers, by name, for the run's
     `tokenizer` (a BaseTokenizer, or None) and the folder's config.json contents. Both exporters (save_hf here,
     hf_sharded.save_hf_sharded) write exactly these.
@@ -178,7 +183,8 @@ def tokenizer_files(tokenizer: Any, config: dict[str, Any]) -> dict[str, bytes]:
     training document starts with BOS, so prompts should too), tokenizer_config.json (BOS/EOS by name, BOS added,
     EOS not, spelled-out special tokens encoded as text as the training data was, model_max_length =
     max_position_embeddings) and special_tokens_map.json. A tokenizer that cannot be written is logged in one line
-    and left out: the weights are what the export is for, never lost for a tokenizer.
+    and left out: the weights are what the export is for, never lost for a tokenizer. `chat_template` (Jinja) goes
+    into tokenizer_config.json, where transformers' apply_chat_template reads it.
     """
     bos_id, eos_id = config.get("bos_token_id"), config.get("eos_token_id")
     files: dict[str, bytes] = {}
@@ -188,7 +194,7 @@ def tokenizer_files(tokenizer: Any, config: dict[str, Any]) -> dict[str, bytes]:
     if tokenizer is None:
         return files
     try:
-        files.update(_tokenizer_part(tokenizer, bos_id, eos_id, config.get("max_position_embeddings")))
+        files.update(_tokenizer_part(tokenizer, bos_id, eos_id, config.get("max_position_embeddings"), chat_template))
     except Exception as e:  # e.g. an unusual tiktoken file: the folder still gets the weights
         logger.warning(f"Hugging Face export: no tokenizer files ({e}); AutoTokenizer will not load the folder until "
                        "a tokenizer.json is copied into it")

@@ -169,6 +169,16 @@ class ChatDataLoader(PackedDataLoader):
         self.pack, self.drop = packing == "pack", truncation == "drop"
         self.totals: Counter[str] = Counter()  # the counts of the last finished or current pass, for tests and logs
 
+    @property
+    def text_tokenizer(self) -> Any:
+        """The tokenizer under the chat encoding: what a Hugging Face export of the run carries."""
+        return self.tokenizer.tokenizer
+
+    @property
+    def chat_template(self) -> str:
+        """The Jinja source of the template the conversations are rendered with (a built-in one's too)."""
+        return self.tokenizer.source
+
     def _batches(self, start: dict[str, int]) -> Iterator[dict[str, torch.Tensor]]:
         if start["doc_token_offset"]:
             raise ValueError(f"{_label(self.source)}: the dataloader state resumes inside a document "
