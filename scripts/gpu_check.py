@@ -1,6 +1,6 @@
 """Every GPU check in one command, one table: what docs/performance.md records whenever a GPU machine is available.
 
-    scripts/gpu_check.sh [--only quickstart,eager,compiled,loss_chunks,float8,moe,checkpoint] [--steps 15]
+    scripts/gpu_check.sh [--only quickstart,eager,compiled,allocator,loss_chunks,float8,moe,checkpoint] [--steps 15]
         [--data FILE.jsonl]
     scripts/gpu_check.sh --smoke      # the same checks on CPU with the debug models (checks this script, not speed)
 
@@ -9,6 +9,8 @@ Checks, each a launch of the documented commands (a failure is a FAIL row with i
 - eager, compiled: the benchmark flavor (`llama3` `8B_8blocks`, seq 8192, local batch 1, per-op AC, AdamW) through
   `./run_train.sh`: median tokens/s and MFU after 5 steps, max active and reserved memory, launch to first step,
   and the memory estimator's verdict for the same job beside them;
+- allocator: the eager run again with torch's default allocator settings (PYTORCH_CUDA_ALLOC_CONF empty; the
+  launcher's default is expandable segments), for the reserved-over-active gap the estimator's verdict covers;
 - loss_chunks: `scripts/benchmark_loss_chunks.py`, the 8B output layer and loss at seq 8192 in 1, 4, 16 and 32
   token chunks: time ratio and peak memory;
 - float8: `scripts/benchmark_float8.py` on the same workload, compiled: bf16 and tensorwise (`--float8-variants`);
@@ -38,7 +40,7 @@ from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
-CHECKS = ("quickstart", "eager", "compiled", "loss_chunks", "float8", "moe", "checkpoint")
+CHECKS = ("quickstart", "eager", "compiled", "allocator", "loss_chunks", "float8", "moe", "checkpoint")
 COMMON = ["--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable", "false"]
 
 
@@ -115,9 +117,9 @@ class GpuCheck:
         self.rows.append((check, "ok" if ok else "FAIL", detail, f"{seconds:.0f}"))
         print(f"[gpu_check] {check}: {'ok' if ok else 'FAIL'} {detail} ({seconds:.0f} s)", flush=True)
 
-    def train(self, name: str, config: str, args: list[str], timeout: float = 300):
+    def train(self, name: str, config: str, args: list[str], timeout: float = 300, env: dict | None = None):
         dump = self.tmp / name
-        env = {**self.env, "CONFIG_FILE": config}
+        env = {**self.env, **(env or {}), "CONFIG_FILE": config}
         cmd = ["./run_train.sh", *COMMON, "--job.dump_folder", str(dump), *args]
         return (*run(cmd, env, timeout, watch=dump / "metrics.jsonl"), dump)
 
@@ -127,15 +129,16 @@ class GpuCheck:
                   else last_error(out))
         self.row("quickstart", code == 0, detail, seconds)
 
-    def bench(self, compiled: bool) -> None:
+    def bench(self, compiled: bool, default_allocator: bool = False) -> None:
         config, args = self.work["bench"]
         args = [*args, "--training.steps", str(self.opts.steps), "--checkpoint.enable", "false",
                 *(["--compile.enable", "true"] if compiled else [])]
-        name = "compiled" if compiled else "eager"
+        name = "allocator" if default_allocator else "compiled" if compiled else "eager"
+        env = {"PYTORCH_CUDA_ALLOC_CONF": ""} if default_allocator else None
         # The estimate runs on the CPU cores while the GPU trains (about a minute for the 8B block shape).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             estimate = pool.submit(self.estimate, config, args)
-            code, out, seconds, first, dump = self.train(name, config, args, timeout=600)
+            code, out, seconds, first, dump = self.train(name, config, args, timeout=600, env=env)
             estimate = estimate.result()
         if code != 0:
             return self.row(name, False, last_error(out), seconds)
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.smoke:
             check.env["CUDA_VISIBLE_DEVICES"] = ""
         steps = {"quickstart": check.quickstart, "eager": lambda: check.bench(False),
-                 "compiled": lambda: check.bench(True), "loss_chunks": check.loss_chunks, "float8": check.float8,
+                 "compiled": lambda: check.bench(True), "allocator": lambda: check.bench(False, default_allocator=True),
+                 "loss_chunks": check.loss_chunks, "float8": check.float8,
                  "moe": check.moe, "checkpoint": check.checkpoint}
         for name in opts.only.split(","):
             try:

@@ -15,7 +15,7 @@ import importlib.util
 import os
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
@@ -172,6 +172,17 @@ def _stop_if_a_module_is_missing(*, import_them: bool) -> None:
                      "run ./run_train.sh again to reinstall")
 
 
+def set_default_environment(env: MutableMapping[str, str], gpu_count: int) -> None:
+    """What the ranks inherit unless the user set it. CPU ranks share the cores: one OpenMP thread each avoids
+    oversubscription (and fork deadlocks). GPU ranks: the caching allocator in expandable segments, which grow in
+    place instead of leaving gaps between fixed-size blocks (the reserved-over-active gap the memory estimator
+    must otherwise cover, torchtitan/estimation/report.py); the reference trainers launch with it too."""
+    if gpu_count == 0:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     train_args = list(sys.argv[1:] if argv is None else argv)
     _stop_if_a_module_is_missing(import_them=False)
@@ -181,9 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun
 
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpu_count == 0:
-        # CPU ranks share the cores: one OpenMP thread each avoids oversubscription (and fork deadlocks).
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    set_default_environment(os.environ, gpu_count)
     check_with_torch(train_args, os.environ, gpu_count)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -345,7 +345,7 @@ def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
     if rank == 0:
         from torchtitan.estimation.advice import exit_code
         from torchtitan.estimation.engine import estimate
-        from torchtitan.estimation.report import DEFAULT_GPU_RESERVE_GIB, fits
+        from torchtitan.estimation.report import DEFAULT_GPU_RESERVE_GIB, fits, needed_gib
 
         device_type = device_tools.device_type()
         est = estimate(cfg, world_size, 0, device_type)
@@ -359,7 +359,7 @@ def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
             capacity = device_tools.host_memory_bytes() / 2**30 / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         fit = fits(est.peak_bytes, capacity, reserve)
         verdict = (f"memory estimate: {'FITS' if fit else 'DOES NOT FIT'} in {capacity:.2f} GiB per device "
-                   f"(reserve {reserve:.1f} GiB): headroom {capacity - reserve - est.peak_bytes / 2**30:.2f} GiB")
+                   f"(reserve {reserve:.1f} GiB): headroom {capacity - needed_gib(est.peak_bytes, reserve):.2f} GiB")
         if not fit:
             verdict += "; scripts/estimate_memory.sh with the same config suggests changes that fit"
             dist_utils.record_failure(ValueError(verdict))

@@ -79,7 +79,7 @@ def test_405b_on_512_ranks():
     assert (out["device"], verdict["capacity_gib"], verdict["reserve_gib"]) == ("h100", 79.1, 3.0)
     [worst] = verdict["per_rank"]
     assert verdict["peak_gib"] == worst["peak_bytes"] / 2**30
-    assert verdict["needed_gib"] == pytest.approx(verdict["peak_gib"] + 3.0)
+    assert verdict["needed_gib"] == pytest.approx(verdict["peak_gib"] * 1.161 + 3.0)  # the allocator's overhead
     assert verdict["headroom_gib"] == pytest.approx(79.1 - verdict["needed_gib"])
     # The documented job fits, with room (docs/memory_estimation.md: peak 18.18 GiB + 3 GiB of 79.1): rank 0's
     # states between steps (parameters, gradients, AdamW, 11.8 GiB) plus one 8192-token sequence's activations under

@@ -297,3 +297,14 @@ def test_config_data_and_tokenizer_errors_come_before_torch_is_imported(args, me
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message.split(": ")[0] + ": ") and \
         message in proc.stderr, proc.stderr
+
+
+def test_default_environment_for_cpu_and_gpu_ranks():
+    cpu, gpu, own = {}, {}, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512", "OMP_NUM_THREADS": "4"}
+    launch.set_default_environment(cpu, 0)
+    launch.set_default_environment(gpu, 8)
+    launch.set_default_environment(own, 0)
+    launch.set_default_environment(own, 8)
+    assert cpu == {"OMP_NUM_THREADS": "1"}
+    assert gpu == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert own == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512", "OMP_NUM_THREADS": "4"}  # the user's stay

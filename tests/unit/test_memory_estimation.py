@@ -497,7 +497,8 @@ def test_script_json_and_verdict():
     assert code == 0
     report = json.loads(out)
     assert report["fits"] is True and report["capacity_gib"] == pytest.approx(79.1)
-    assert report["needed_gib"] == pytest.approx(report["peak_gib"] + report["reserve_gib"])
+    # on a GPU target the allocator's measured overhead grows the traced peak (report.py, GPU_ALLOCATOR_OVERHEAD)
+    assert report["needed_gib"] == pytest.approx(report["peak_gib"] * 1.161 + report["reserve_gib"])
     assert text_code == 3 and "verdict: DOES NOT FIT" in text and "alive at the peak" in text
     # 0.01 GiB is less than the 3 GiB reserve: no change can fit, and the advice says so without estimating any
     assert "advice: changes that fit" in text and "(0 of at most 6 estimates" in text

@@ -398,7 +398,7 @@ class CheckpointManager:
         # the model, with or without pipeline parallel. Collective over every rank (on self._pg).
         # The run's tokenizer (the one its data loader encodes with) makes the folder self-contained: tokenizer files
         # and BOS/EOS ids, exactly as scripts/convert_checkpoint.py dcp-to-hf writes them.
-        # Chat data (torchtitan/data/chat_loader.py): the tokenizer under its encoder, and the template it rendered with.
+        # Chat data (torchtitan/data/chat_loader.py): the tokenizer under its encoder and the template it rendered.
         tokenizer = getattr(self.dataloader, "text_tokenizer", None) or getattr(self.dataloader, "tokenizer", None)
         chat_template = getattr(self.dataloader, "chat_template", None)
         if tokenizer is None and self.rank == 0:

@@ -243,8 +243,9 @@ def advise(config_args: list[str], world_size: int, gpus_per_node: int, capacity
                 continue
             if needed_gib(ch.bound_bytes, reserve_gib) * (1 - _BOUND_SLACK) > capacity_gib:
                 ch.status = "cannot fit"
-                ch.reason = f"even at best {ch.bound_bytes / GIB:.2f} GiB + {reserve_gib:.1f} GiB reserve > " \
-                            f"{capacity_gib:.2f} GiB"
+                need = needed_gib(ch.bound_bytes, reserve_gib)
+                ch.reason = f"even at best {ch.bound_bytes / GIB:.2f} GiB of tensors, needing {need:.2f} GiB with " \
+                            f"the reserve > {capacity_gib:.2f} GiB"
                 continue
             if estimates >= max_estimates:
                 ch.reason = f"the search's {max_estimates} estimate(s) are spent (--advice-estimates)"

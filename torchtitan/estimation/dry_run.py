@@ -306,7 +306,10 @@ def render_verdict(v: dict, device: str) -> list[str]:
         parts = ", ".join(f"{k} {n / GIB:.2f}" for k, n in e["breakdown_bytes"].items() if n)
         lines.append(f"  rank {e['rank']}: peak {e['peak_bytes'] / GIB:.2f} GiB during {e['peak_phase']} ({parts} "
                      f"GiB; {how}, {e['seconds']:.1f} s)")
+    from torchtitan.estimation.report import GPU_ALLOCATOR_OVERHEAD
+
+    grown = f" x {1 + GPU_ALLOCATOR_OVERHEAD:.3f} (allocator)" if v["reserve_gib"] > 0 else ""
     lines.append(f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} on {device}: peak {v['peak_gib']:.2f} GiB "
-                 f"(rank {v['worst_rank']}) + {v['reserve_gib']:.1f} GiB reserve = {v['needed_gib']:.2f} of "
+                 f"(rank {v['worst_rank']}){grown} + {v['reserve_gib']:.1f} GiB reserve = {v['needed_gib']:.2f} of "
                  f"{v['capacity_gib']:.1f} GiB, headroom {v['headroom_gib']:+.2f} GiB")
     return lines
