@@ -153,3 +153,55 @@ def test_default_workers_tokenize_ahead_on_gpu_and_inline_on_cpu() -> None:
     assert JobConfig().training.num_workers == -1
     assert data_workers(-1, "cuda") == 2 and data_workers(-1, "cpu") == 0
     assert data_workers(0, "cuda") == 0 and data_workers(3, "cpu") == 3  # a number set is the number used
+
+
+class SlowLoggingTokenizer(ByteTokenizer):
+    """Takes 20 ms a document, and records every document it encodes (its first 6 characters) in a file that all
+    processes append to: which documents were tokenized by when, whatever process did it."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__()
+        self.log = log
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        time.sleep(0.02)
+        with open(self.log, "a") as f:
+            f.write(text[:6] + "\n")
+        return super().encode(text, add_bos, add_eos)
+
+
+def _encoded(log: Path) -> set[str]:
+    return set(log.read_text().split()) if log.exists() else set()
+
+
+def _tokenized_during_the_step(log: Path, wanted: set[str], seconds: float) -> bool:
+    """The training step, as the data path sees it: the loop is busy elsewhere for up to `seconds`. True if the
+    documents in `wanted` get tokenized meanwhile."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if wanted <= _encoded(log):
+            return True
+        time.sleep(0.05)
+    return wanted <= _encoded(log)
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_slow_tokenizer_is_hidden_behind_the_step_by_workers(tmp_path: Path, workers: int) -> None:
+    # 30-character documents: 32 tokens each with BOS and EOS, one 32-token window (seq_len 31) per document, so
+    # step k's batch of 2 rows holds documents 2k-2 and 2k-1; one document per block.
+    docs = [f"doc{i:03d}".ljust(30, ".") for i in range(40)]
+    log = tmp_path / "encoded.txt"
+    dl = _loader(ListSource(docs), 31, 2, tokenizer=SlowLoggingTokenizer(str(log)), block_chars=30,
+                 num_workers=workers)
+    try:
+        it = iter(dl)
+        first = next(it)
+        # While step 1 trains, worker processes tokenize step 2's documents (and beyond, up to their prefetch);
+        # without workers nothing is tokenized until the loop asks for step 2, which then waits for all of it.
+        ahead = _tokenized_during_the_step(log, {"doc002", "doc003"}, 60.0 if workers else 1.0)
+        second = next(it)
+    finally:
+        dl.close()
+    assert ahead == (workers > 0)
+    ref = _take(_loader(ListSource(docs), 31, 2, block_chars=30), 2)
+    assert _same([first, second], ref)  # and the batches are the in-process ones
