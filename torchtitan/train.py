@@ -69,6 +69,7 @@ class Trainer:
         init_distributed (run() below); the parity tests build several Trainers, one layout after another, inside
         one persistent group of processes."""
         self.started_at = time.monotonic()  # the console's elapsed time (components/metrics.py's clock)
+        self.startup = startup.StartupClock()  # the start-up line logged after step 1
         parallel_dims, grad_accum_steps = resolved.parallel_dims, resolved.grad_accum_steps
         self.cfg, self.parallel_dims, self.grad_accum_steps = cfg, parallel_dims, grad_accum_steps
         self.rank = dist_utils.env_world()[0]
@@ -120,6 +121,7 @@ class Trainer:
                                        loss_parallel=self.loss_parallel, eager=validate_eager,
                                        pp_mesh=self.pp_mesh, cp_mesh=self.cp_mesh)
 
+        self.startup.mark("mesh, tokenizer and data")
         # Build on meta, cut into this rank's pipeline stages, parallelize, then materialise: no rank ever holds
         # the full unsharded model. The memory estimator builds through the same function.
         with torch.device("meta"):
@@ -131,7 +133,9 @@ class Trainer:
         if param_dtype != cfg.training.mixed_precision_param:
             logger.info("CPU run: training in float32 (training.mixed_precision_param applies on GPU)")
         self.model_parts = build_model_parts(cfg, parallel_dims, resolved.pipeline, param_dtype, model_args)
+        self.startup.mark("model build and parallelize")
         materialize(self.model_parts, self.device, seed, dist_utils.param_init)
+        self.startup.mark("init")
         if cfg.compile.enable and "loss" in cfg.compile.components:
             if self.loss_parallel:
                 # Measured (torch 2.13): a compiled loss does not see loss_parallel's op handlers and returns a
@@ -171,9 +175,11 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.train_state,
             model_args=model_args, world_size=parallel_dims.world_size, rank=self.rank,
         )
+        self.startup.mark("optimizer and the rest")
         if not cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.load()
             self.checkpointer.check_continuation(cfg.training.steps)
+        self.startup.mark("checkpoint load")
         self.first_step = self.train_state.step + 1
         # After the checkpoint: whether this run resumes decides if metrics.jsonl is continued or started anew.
         self.metrics = MetricsLogger(
@@ -262,6 +268,8 @@ class Trainer:
             self.train_state.tokens_seen += int(global_tokens)
             window_tokens += int(local_tokens)
             if step == self.first_step:  # compilation and first collectives are behind us
+                self.startup.mark("step 1 (compile, first collectives)")
+                logger.info(self.startup.line())
                 dist_utils.set_training_timeout(self.cfg.comm.train_timeout_seconds,
                                                 keep=[self.checkpointer.process_group])
             if step % cfg.gc_freq == 0:

@@ -40,6 +40,8 @@ def test_default_config_trains_and_writes_its_record(tmp_path, tt_cache_dir):
     saved = json.loads((tmp_path / "job_config.json").read_text())
     assert saved["model"]["flavor"] == "debugmodel" and saved["training"]["steps"] == 3
     assert "Traceback" not in result.output
+    # where launch to step 1 went, one line per rank shown (docs/performance.md)
+    assert "start-up: " in result.output and " s to the end of step 1 = process " in result.output, result.output
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "TensorBoard wrote no event file"
     assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B wrote no offline run"
 

@@ -50,3 +50,18 @@ def test_data_line_for_the_registry_and_a_mixture():
     assert data_line(parse_args([]), registry) == "data: registry dataset 'python_stdlib', 792 documents"
     mixed = parse_args(["--training.dataset_mixture", "python_stdlib:0.7,tinystories:0.3"])
     assert data_line(mixed, None).startswith("data: mixture of 2 sources: python_stdlib:0.7")
+
+
+def test_startup_line_adds_up_every_phase(monkeypatch):
+    from torchtitan.components import startup
+
+    age = startup.process_age_seconds()  # from /proc on Linux
+    assert age is None or age > 0
+    ticks = iter([100.0, 101.5, 104.0, 104.25])
+    monkeypatch.setattr(startup.time, "monotonic", lambda: next(ticks))
+    monkeypatch.setattr(startup, "process_age_seconds", lambda: 7.0)
+    clock = startup.StartupClock()
+    for phase in ("data", "model build", "step 1"):
+        clock.mark(phase)
+    assert clock.line() == "start-up: 11.2 s to the end of step 1 = process 7.0 + data 1.5 + model build 2.5 + " \
+                           "step 1 0.2 s"

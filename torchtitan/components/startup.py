@@ -7,6 +7,8 @@ from the config alone: with expert parallel 2, the layout line says so. The whol
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from torchtitan.config.job_config import JobConfig
@@ -54,3 +56,36 @@ def data_line(cfg: JobConfig, source: Any) -> str:
     if t.dataset_path:
         return f"data: {t.dataset_path} (column '{t.dataset_text_column}', split '{t.dataset_split}'{count})"
     return f"data: registry dataset '{t.dataset}'{count}"
+
+
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): the interpreter's start and the imports
+    come before any code of ours can take the time."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartupClock:
+    """Where the time from process start to the end of step 1 goes, one `mark(phase)` at the end of each phase;
+    `line()` is the console's one-line breakdown (docs/performance.md reads GPU start-ups from it)."""
+
+    def __init__(self) -> None:
+        self.before = process_age_seconds()  # interpreter, imports and the process group, before the trainer
+        self.last = time.monotonic()
+        self.phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        # "process": the interpreter, the imports and the process group, before the trainer existed
+        parts = [(f"process {self.before:.1f}", self.before)] if self.before is not None else []
+        parts += [(f"{name} {seconds:.1f}", seconds) for name, seconds in self.phases]
+        total = sum(seconds for _, seconds in parts)
+        return f"start-up: {total:.1f} s to the end of step 1 = " + " + ".join(text for text, _ in parts) + " s"
