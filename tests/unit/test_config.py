@@ -643,6 +643,28 @@ INVALID_VALUES = [
     (["--float8.round_scales_to_power_of_2", "true"], "float8.round_scales_to_power_of_2: set, but model.converters"),
     (["--model.converters", "float8", "--float8.round_scales_to_power_of_2", "true",
       "--float8.enable_fsdp_float8_all_gather"], "float8.round_scales_to_power_of_2"),
+    # RL (python -m torchtitan.rl.train sets rl.enable; without it every [rl] key is refused)
+    (["--rl.group_size", "8"], "rl.group_size: set, but rl.enable is false"),
+    (["--rl.enable", "--parallelism.tensor_parallel_degree", "2"], "rl.enable"),
+    (["--rl.enable", "--rl.group_size", "1"], "rl.group_size"),
+    (["--rl.enable", "--rl.prompts_per_step", "0"], "rl.prompts_per_step"),
+    (["--rl.enable", "--rl.train_groups", "-1"], "rl.train_groups"),
+    (["--rl.enable", "--rl.max_new_tokens", "0"], "rl.max_new_tokens"),
+    (["--rl.enable", "--rl.temperature", "0"], "rl.temperature"),
+    (["--rl.enable", "--rl.top_p", "0"], "rl.top_p"),
+    (["--rl.enable", "--rl.clip_low", "1"], "rl.clip_low"),
+    (["--rl.enable", "--rl.clip_high", "-0.1"], "rl.clip_high"),
+    (["--rl.enable", "--rl.kl_coeff", "-1"], "rl.kl_coeff"),
+    (["--rl.enable", "--rl.loss_aggregation", "batch"], "rl.loss_aggregation"),
+    (["--rl.enable", "--rl.buffer_sampling", "lifo"], "rl.buffer_sampling"),
+    (["--rl.enable", "--rl.buffer_capacity", "-1"], "rl.buffer_capacity"),
+    (["--rl.enable", "--rl.buffer_max_lag", "-2"], "rl.buffer_max_lag"),
+    (["--rl.enable", "--rl.rewards", "[]"], "rl.rewards"),
+    (["--rl.enable", "--rl.reward_weights", "1,2"], "rl.reward_weights"),
+    (["--rl.enable", "--rl.task", "math"], "rl.task"),
+    (["--rl.enable", "--rl.task", "gsm8k"], "rl.dataset_path"),
+    (["--rl.enable", "--rl.synthetic_digits", "0"], "rl.synthetic_digits"),
+    (["--rl.enable", "--rl.synthetic_ops", "/"], "rl.synthetic_ops"),
 ]
 
 NOT_AVAILABLE = [

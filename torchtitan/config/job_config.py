@@ -329,6 +329,60 @@ class Float8:
 
 
 @dataclass
+class Rl:
+    enable: bool = False
+    """GRPO post-training (docs/rl.md); set by `python -m torchtitan.rl.train`, refused by the pretraining trainer"""
+    group_size: int = 4
+    """Completions sampled per prompt (G); advantages compare the completions of one prompt"""
+    prompts_per_step: int = 8
+    """Prompts drawn and rolled out per step (all ranks together)"""
+    train_groups: int = 0
+    """Groups drawn from the buffer for each policy update (0: prompts_per_step)"""
+    max_new_tokens: int = 64
+    """Tokens generated per completion at most; prompt + max_new_tokens must fit training.seq_len"""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0)"""
+    top_p: float = 1.0
+    """Nucleus sampling of the rollouts: the smallest set of tokens whose probability reaches top_p (1: off)"""
+    clip_low: float = 0.2
+    """The importance ratio is clipped below at 1 - clip_low"""
+    clip_high: float = 0.2
+    """The importance ratio is clipped above at 1 + clip_high (larger than clip_low: DAPO's clip higher)"""
+    kl_coeff: float = 0.0
+    """Weight of the k3 KL penalty to the frozen initial policy (0: no reference model is built)"""
+    loss_aggregation: str = "token"
+    """token: sum over response tokens / their count | sequence: mean per completion, then over completions"""
+    std_normalize: bool = True
+    """Divide each group's centred rewards by the group's standard deviation (+1e-6)"""
+    buffer_sampling: str = "fifo"
+    """fifo (each group trains once) | uniform | prioritized (by mean |advantage|): docs/rl.md"""
+    buffer_capacity: int = 0
+    """Groups the replay buffer holds at most; the oldest go first (0: unbounded)"""
+    buffer_max_lag: int = 0
+    """Groups generated more than this many policy versions ago are evicted (-1: never; 0: on-policy only)"""
+    drop_zero_variance: bool = True
+    """Keep groups whose rewards are all equal (zero advantages) out of the buffer, counting them"""
+    rewards: list[str] = field(default_factory=lambda: ["exact_answer"])
+    """Reward functions, built in (exact_answer, format) or module:function, summed with reward_weights"""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per entry of rewards (empty: all 1)"""
+    task: str = "synthetic"
+    """synthetic (arithmetic generated from the seed, offline) | gsm8k (question/answer records, rl.dataset_path)"""
+    dataset_path: str = ""
+    """gsm8k: a local .jsonl file with question and answer fields, or a hub dataset name (openai/gsm8k)"""
+    dataset_config: str = "main"
+    """gsm8k from the hub: the dataset's config name"""
+    dataset_split: str = "train"
+    """gsm8k from the hub: the split"""
+    synthetic_digits: int = 2
+    """synthetic: digits of each operand"""
+    synthetic_ops: str = "+-"
+    """synthetic: the operators drawn from, among + - *"""
+    chat_template: str = ""
+    """Render each question as a user turn with this chat template (as training.chat_template); empty: plain text"""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -347,3 +401,4 @@ class JobConfig:
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     moe: Moe = field(default_factory=Moe)
     float8: Float8 = field(default_factory=Float8)
+    rl: Rl = field(default_factory=Rl)

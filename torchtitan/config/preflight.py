@@ -12,8 +12,9 @@ from torchtitan.config.manager import load_config
 from torchtitan.config.resolve import Resolved
 
 
-def check_job(argv: Sequence[str] | None, world_size: int) -> tuple[JobConfig, Resolved]:
+def check_job(argv: Sequence[str] | None, world_size: int, *, rl: bool = False) -> tuple[JobConfig, Resolved]:
     """load_config for `world_size` processes plus the checks that need the machine, not a process group.
+    `rl`: the caller is the RL entry point (torchtitan/rl/train.py), the only one that accepts rl.enable.
     Raises ConfigError (one line naming the key and, if any, the TOML file)."""
     from torchtitan.tools import device as device_tools
     from torchtitan.tools.profiling import check_profiling_device
@@ -21,6 +22,9 @@ def check_job(argv: Sequence[str] | None, world_size: int) -> tuple[JobConfig, R
     # load_config fills in every derived value (dp_shard, global batch, validation shape) in cfg itself, so the
     # Trainer, the estimator and the saved job_config.json all see the numbers this run uses.
     cfg, resolved = load_config(None if argv is None else list(argv), world_size)
+    if cfg.rl.enable != rl:
+        raise ConfigError("rl.enable: RL post-training runs through python -m torchtitan.rl.train (docs/rl.md)" if
+                          cfg.rl.enable else "rl.enable: false, but this is the RL entry point")
     device_type = device_tools.device_type()
     if cfg.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA GPUs (symmetric memory); "

@@ -68,6 +68,7 @@ def check_values(cfg: JobConfig) -> None:
     _check_checkpoint(cfg)
     _check_profiling(cfg)
     _check_float8(cfg)
+    _check_rl(cfg)
     check_moe(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
     _positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
@@ -382,3 +383,48 @@ def _check_profiling(cfg: JobConfig) -> None:
     # Traces stay inside job.dump_folder, with the rest of the run's outputs.
     if not folder.strip() or Path(folder).is_absolute() or ".." in Path(folder).parts:
         _err(f"profiling.save_traces_folder: '{folder}' must be a non-empty relative path inside job.dump_folder")
+
+
+def _check_rl(cfg: JobConfig) -> None:
+    rl, default = cfg.rl, type(cfg.rl)()
+    if not rl.enable:  # no [rl] key is accepted and then ignored by the pretraining trainer
+        for key in (f.name for f in dataclasses.fields(rl)):
+            if getattr(rl, key) != getattr(default, key):
+                _err(f"rl.{key}: set, but rl.enable is false (RL runs through python -m torchtitan.rl.train)")
+        return
+    p = cfg.parallelism
+    if max(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree,
+           p.expert_parallel_degree) > 1:
+        _err("rl.enable: RL supports data parallelism only (FSDP, HSDP, DDP); set the tensor, pipeline, context "
+             "and expert parallel degrees to 1")
+    if rl.group_size < 2:
+        _err(f"rl.group_size: must be >= 2 (advantages compare completions of one prompt), got {rl.group_size}")
+    _positive("rl.prompts_per_step", rl.prompts_per_step)
+    if rl.train_groups < 0:
+        _err(f"rl.train_groups: must be >= 0 (0: prompts_per_step), got {rl.train_groups}")
+    _positive("rl.max_new_tokens", rl.max_new_tokens)
+    _positive("rl.temperature", rl.temperature)
+    if not 0.0 < rl.top_p <= 1.0:
+        _err(f"rl.top_p: must be in (0, 1], got {rl.top_p}")
+    if not 0.0 <= rl.clip_low < 1.0:
+        _err(f"rl.clip_low: must be in [0, 1), got {rl.clip_low}")
+    if rl.clip_high < 0.0:
+        _err(f"rl.clip_high: must be >= 0, got {rl.clip_high}")
+    if rl.kl_coeff < 0.0:
+        _err(f"rl.kl_coeff: must be >= 0, got {rl.kl_coeff}")
+    _one_of("rl.loss_aggregation", rl.loss_aggregation, ("token", "sequence"))
+    _one_of("rl.buffer_sampling", rl.buffer_sampling, ("fifo", "uniform", "prioritized"))
+    if rl.buffer_capacity < 0:
+        _err(f"rl.buffer_capacity: must be >= 0 (0: unbounded), got {rl.buffer_capacity}")
+    if rl.buffer_max_lag < -1:
+        _err(f"rl.buffer_max_lag: must be >= -1 (-1: no limit), got {rl.buffer_max_lag}")
+    if not rl.rewards:
+        _err("rl.rewards: name at least one reward function")
+    if rl.reward_weights and len(rl.reward_weights) != len(rl.rewards):
+        _err(f"rl.reward_weights: {len(rl.reward_weights)} weights for {len(rl.rewards)} rewards")
+    _one_of("rl.task", rl.task, ("synthetic", "gsm8k"))
+    if rl.task == "gsm8k" and not rl.dataset_path:
+        _err("rl.dataset_path: rl.task gsm8k needs a .jsonl file or a hub dataset name")
+    _positive("rl.synthetic_digits", rl.synthetic_digits)
+    if not rl.synthetic_ops or set(rl.synthetic_ops) - set("+-*"):
+        _err(f"rl.synthetic_ops: '{rl.synthetic_ops}' must be some of + - *")

@@ -1,0 +1,137 @@
+"""GRPO end to end on a tiny Llama (torchtitan/rl/loop.py): metrics written, the loss consistent with the
+advantages, an exact resume, and a 2-rank FSDP run equal to one process."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.unit.forked import run_ranks
+from torchtitan.rl.loop import dump_folder_metrics
+from torchtitan.rl.loss import group_advantages
+
+ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--training.steps", "4",
+        "--rl.group_size", "4", "--rl.prompts_per_step", "4", "--rl.max_new_tokens", "8",
+        "--rl.rewards", "tests.unit.rl_rewards:char_variety", "--rl.kl_coeff", "0.05", "--rl.clip_high", "0.28",
+        "--lr_scheduler.warmup_steps", "0", "--optimizer.lr", "3e-3", "--debug.seed", "0", "--metrics.log_freq", "1",
+        "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+# Timings and throughputs differ run to run; everything else must not.
+NOISY = ("time/", "gen_tps", "train_tps")
+
+
+def _train(rank: int, dump: str, extra: list[str], until: int | None, check: bool):
+    import torch
+
+    from torchtitan.config.preflight import check_job
+    from torchtitan.rl.loop import GRPOTrainer
+    from torchtitan.tools.device import device_type
+
+    cfg, resolved = check_job(ARGS + ["--job.dump_folder", dump] + extra + ["--rl.enable", "true"],
+                              torch.distributed.get_world_size(), rl=True)
+    trainer = GRPOTrainer(cfg, resolved, torch.device(device_type()))
+    checks = []
+    if check:
+        update = trainer.update
+
+        def checked_update(batch):
+            out = update(batch)
+            for g in batch:  # the advantages are the group-normalised rewards
+                want = group_advantages(torch.tensor([g.rewards]), True)[0].tolist()
+                assert g.advantages == pytest.approx(want, abs=1e-6)
+            lengths = [len(c) for g in batch for c in g.completions]
+            advs = [a for g in batch for a in g.advantages]
+            # On-policy, the training forward recomputes the generator's log-probabilities (ratio 1), so the policy
+            # term is -sum(A_i * len_i) / tokens, and the loss adds kl_coeff * mean KL.
+            pg = -sum(a * n for a, n in zip(advs, lengths, strict=True)) / sum(lengths)
+            checks.append((out["loss"], pg + 0.05 * out["kl"] / out["tokens"], out["ratio"] / out["tokens"]))
+            return out
+
+        trainer.update = checked_update
+    trainer.train(until)
+    trainer.close()
+    sharded = all(hasattr(p, "full_tensor") for p in trainer.model_parts[0].parameters())
+    return checks, sharded
+
+
+def run(dump, world=1, extra=(), until=None, check=False):
+    return run_ranks(_train, str(dump), list(extra), until, check, world=world, timeout=180)
+
+
+def comparable(lines):
+    return [{k: v for k, v in line.items() if not k.startswith(NOISY)} for line in lines]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("rl_straight")
+    checks, sharded = run(dump, check=True)[0]
+    assert not sharded
+    return dump, checks
+
+
+def test_metrics_are_written_and_consistent(straight):
+    dump, checks = straight
+    lines = dump_folder_metrics(dump)
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    for key in ("reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "response_len", "gen_tps",
+                "train_tps", "time/generate", "time/score", "time/train", "time/sync", "loss", "policy_version"):
+        assert all(key in line for line in lines), key
+    assert [line["policy_version"] for line in lines] == [1, 2, 3, 4]
+    assert checks and len(checks) == 4
+    for loss, want, ratio in checks:
+        assert ratio == pytest.approx(1.0, abs=1e-4)
+        assert loss == pytest.approx(want, abs=1e-5)
+    assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert lines[-1]["kl"] > 0
+    assert all(math.isfinite(line["entropy"]) and line["entropy"] > 0 for line in lines)
+
+
+def test_resume_continues_identically(straight, tmp_path):
+    dump, _ = straight
+    run(tmp_path, until=2)
+    run(tmp_path)  # a fresh process: resumes from step-2
+    assert (tmp_path / "checkpoint" / "step-2").is_dir()
+    lines = dump_folder_metrics(tmp_path)
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert comparable(lines) == comparable(dump_folder_metrics(dump))
+
+
+def test_two_rank_fsdp_matches_one_process(straight, tmp_path):
+    dump, _ = straight
+    results = run(tmp_path, world=2)
+    assert all(sharded for _, sharded in results)  # FSDP: every parameter is a DTensor shard
+    one, two = comparable(dump_folder_metrics(dump)), comparable(dump_folder_metrics(tmp_path))
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def _entry_point(dump: str, port: int) -> tuple[int, str]:
+    import os
+
+    os.environ["MASTER_PORT"] = str(port)
+    import torch
+
+    torch.set_num_threads(1)
+    from torchtitan.rl.train import run as rl_run
+
+    code = rl_run(ARGS + ["--job.dump_folder", dump, "--training.steps", "1", "--checkpoint.enable", "false"])
+    return code, (Path(dump) / "metrics.jsonl").read_text()
+
+
+def test_entry_point_and_the_pretraining_trainer_refuses_rl(tmp_path):
+    from tests.forking import free_port
+    from tests.unit.forked import in_child
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.preflight import check_job
+
+    code, metrics = in_child(_entry_point, str(tmp_path), free_port(), timeout=120)
+    assert code == 0 and '"step": 1' in metrics
+    with pytest.raises(ConfigError, match="rl.enable: RL post-training runs through"):
+        check_job(["--rl.enable", "true"], 1)
+    with pytest.raises(ConfigError, match="rl.group_size: set, but rl.enable is false"):
+        check_job(["--rl.group_size", "8"], 1)

@@ -1,0 +1,111 @@
+"""Prompts with reference answers for RL: GSM8K-style records, or a synthetic arithmetic task that needs no files.
+
+A record is {"question": str, "answer": str}; the answer is GSM8K's worked solution ending in "#### <number>", or a
+bare number (rewards.py reads either). Sources:
+
+  synthetic  "What is 47 + 18?" -> "65": record i is drawn from a generator seeded by (seed, i), so the stream is the
+             same on every rank and after a resume; rl.synthetic_digits sets the operands' digits, rl.synthetic_ops
+             the operators among + - *
+  gsm8k      rl.dataset_path: a local .jsonl file with question/answer fields, or a hub dataset (openai/gsm8k,
+             rl.dataset_config "main"), loaded whole; served in a seeded random order, a new order every epoch
+
+The cursor is global (prompts consumed so far), identical on every rank, and is all a checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+TASKS = ("synthetic", "gsm8k")
+PROMPT = "Question: {question}\nAnswer:"
+"""How a question becomes a plain-text prompt (without rl.chat_template)."""
+
+
+def synthetic_record(seed: int, index: int, digits: int = 2, ops: str = "+-") -> dict[str, str]:
+    """The index-th arithmetic question of the stream `seed` (operands of `digits` digits, operators from `ops`)."""
+    rng = random.Random(seed * 1_000_003 + index)
+    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"question": f"What is {a} {op} {b}?", "answer": str(value)}
+
+
+def _checked(record: Any, where: str) -> dict[str, str]:
+    if not isinstance(record, dict) or not isinstance(record.get("question"), str) \
+            or not isinstance(record.get("answer"), (str, int, float)):
+        raise ValueError(f"rl.dataset_path: {where} needs string fields 'question' and 'answer'")
+    return {"question": record["question"], "answer": str(record["answer"])}
+
+
+def load_records(dataset_path: str, split: str = "train", config: str = "", cache_dir: str | None = None
+                 ) -> list[dict[str, str]]:
+    """Every question/answer record of a local .jsonl file or a hub dataset."""
+    path = Path(dataset_path)
+    if path.is_file():
+        records = []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(_checked(json.loads(line), f"{path} line {n}"))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"rl.dataset_path: {path} line {n} is not JSON: {e}") from None
+    elif path.suffix in (".jsonl", ".json") or path.exists():
+        raise FileNotFoundError(f"rl.dataset_path: {path} is not a file")
+    else:
+        from torchtitan.data.hf_sources import open_hub_dataset
+
+        ds, _, where = open_hub_dataset(dataset_path, dataset_path, config or None, split, "false", cache_dir,
+                                        "rl", "dataset_path")
+        records = [_checked(r, where) for r in ds]
+    if not records:
+        raise ValueError(f"rl.dataset_path: {dataset_path} holds no records")
+    return records
+
+
+class PromptStream:
+    """Records in a fixed, seeded order; `take(n)` returns the next n as (global index, record) pairs."""
+
+    def __init__(self, task: str, seed: int, *, records: list[dict[str, str]] | None = None, digits: int = 2,
+                 ops: str = "+-"):
+        if task not in TASKS:
+            raise ValueError(f"rl.task must be one of {TASKS}, got {task!r}")
+        if task == "gsm8k" and not records:
+            raise ValueError("rl.task gsm8k needs records (rl.dataset_path)")
+        self.task, self.seed, self.records, self.digits, self.ops = task, seed, records, digits, ops
+        self.consumed = 0
+        self._epoch, self._order = -1, []
+
+    def record(self, index: int) -> dict[str, str]:
+        if self.task == "synthetic":
+            return synthetic_record(self.seed, index, self.digits, self.ops)
+        epoch, pos = divmod(index, len(self.records))
+        if epoch != self._epoch:  # a fresh permutation per epoch, from (seed, epoch) alone
+            self._order = list(range(len(self.records)))
+            random.Random(self.seed * 7919 + epoch).shuffle(self._order)
+            self._epoch = epoch
+        return self.records[self._order[pos]]
+
+    def take(self, n: int) -> list[tuple[int, dict[str, str]]]:
+        out = [(i, self.record(i)) for i in range(self.consumed, self.consumed + n)]
+        self.consumed += n
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state["consumed"])
+
+
+def encode_prompt(tokenizer: Any, question: str, chat_template: str = "") -> list[int]:
+    """Token ids of the prompt for `question`: PROMPT with BOS, or one user message rendered with `chat_template`
+    up to the assistant's turn (torchtitan/data/chat.py)."""
+    if chat_template:
+        from torchtitan.data.chat import render_generation_prompt
+
+        return render_generation_prompt(tokenizer, [{"role": "user", "content": question}], chat_template)
+    return tokenizer.encode(PROMPT.format(question=question), add_bos=True, add_eos=False)
