@@ -20,6 +20,7 @@ from torchtitan.config.job_config import Float8
 from torchtitan.config.manager import parse_args
 from torchtitan.config.preflight import check_job
 from torchtitan.distributed import activation_checkpoint
+from torchtitan.models.decoder import OutputProjection
 from torchtitan.models.registry import get_model_spec
 
 SIZE_REASON = "below torchao's size thresholds (float8.skip_small_layers)"
@@ -164,7 +165,7 @@ def test_convert_swaps_the_planned_linears_and_keeps_parameter_names_and_shapes(
     todo = float8.convert(model, cfg)
     assert len(_float8_names(model)) == 28
     assert sorted(_float8_names(model)) == sorted(todo.converted)
-    assert type(model.output) is nn.Linear  # exactly nn.Linear, not its Float8Linear subclass
+    assert type(model.output) is OutputProjection  # the model's own projection, not a Float8Linear
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in plain.state_dict().items()}
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
