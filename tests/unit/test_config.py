@@ -643,6 +643,14 @@ INVALID_VALUES = [
     (["--float8.round_scales_to_power_of_2", "true"], "float8.round_scales_to_power_of_2: set, but model.converters"),
     (["--model.converters", "float8", "--float8.round_scales_to_power_of_2", "true",
       "--float8.enable_fsdp_float8_all_gather"], "float8.round_scales_to_power_of_2"),
+    # lora (the check that needs a model, target names matching no layer: tests/unit/test_lora.py)
+    (["--lora.rank", "4"], "lora.rank: set, but model.converters does not include"),
+    (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank"),
+    (["--model.converters", "lora", "--lora.alpha", "0"], "lora.alpha"),
+    (["--model.converters", "lora", "--lora.dropout", "1.0"], "lora.dropout"),
+    (["--model.converters", "lora", "--lora.target_modules", "all-linear,wq"], "lora.target_modules"),
+    (["--model.converters", "lora", "--lora.target_modules", "output"], "lora.target_modules"),
+    (["--model.converters", "lora,float8"], "model.converters: lora with float8"),
     # RL (python -m torchtitan.rl.train sets rl.enable; without it every [rl] key is refused)
     (["--rl.group_size", "8"], "rl.group_size: set, but rl.enable is false"),
     (["--rl.enable", "--parallelism.tensor_parallel_degree", "2"], "rl.enable"),

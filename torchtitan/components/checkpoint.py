@@ -38,6 +38,7 @@ import torch.nn as nn
 from torchtitan.components import checkpoint_io as cio
 from torchtitan.components.checkpoint_io import CheckpointError, checkpoint_step_folders
 from torchtitan.components.model_parts import load_model_state_dict, model_state_dict
+from torchtitan.components.quantization import lora_export
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.tools.logging import logger
 
@@ -145,6 +146,10 @@ class CheckpointManager:
         state: dict[str, Any] = {}
         if "model" in wanted:
             msd = model_state_dict(self.model_parts)
+            # A base model's checkpoint has no LoRA adapters: they keep their initial values (B = 0).
+            prefix = "" if flat_model else "model."
+            msd = {k: v for k, v in msd.items()
+                   if not lora_export.is_adapter(k) or prefix + k in md.state_dict_metadata}
             if flat_model:
                 state.update(msd)
             else:
@@ -404,9 +409,17 @@ class CheckpointManager:
         if tokenizer is None and self.rank == 0:
             logger.info("checkpoint.last_save_in_hf: no tokenizer known to the checkpointer; the Hugging Face folder "
                         "gets no tokenizer files and no BOS/EOS ids")
+        # LoRA (torchtitan/components/quantization/lora_export.py): the folder holds the merged weights, and the
+        # adapters alone go to step-<N>-peft in PEFT's format.
+        lora = bool(lora_export.lora_modules(self.model_parts))
         try:
-            save_hf_sharded(out, model_state_dict(self.model_parts), self.model_args,
-                            dtype=self.cfg.export_dtype, pg=self._pg, tokenizer=tokenizer, chat_template=chat_template)
+            state = lora_export.merged_state_dict(self.model_parts) if lora else model_state_dict(self.model_parts)
+            save_hf_sharded(out, state, self.model_args, dtype=self.cfg.export_dtype, pg=self._pg, tokenizer=tokenizer,
+                            chat_template=chat_template)
+            if lora:
+                base = self.cfg.initial_load_path if self.cfg.initial_load_in_hf else ""
+                lora_export.save_peft(self.folder / f"step-{step}-peft", self.model_parts, self.model_args,
+                                      base_model_name_or_path=base, pg=self._pg)
         except (RuntimeError, ValueError, OSError) as e:  # raised alike on every rank
             raise CheckpointError(f"checkpoint.last_save_in_hf: cannot write {out}: {cio.one_line(e)}") from e
         logger.info(f"checkpoint: exported Hugging Face folder {out} in {time.perf_counter() - t0:.2f}s")

@@ -394,6 +394,8 @@ def _load_own(folder: Path, parts: list[nn.Module], model_args: Any, model: str 
                 _copy_local(t, ours[key])
             elif key in ours and any(other != key and ours.get(other) is ours[key] for other in by_ours):
                 continue  # an alias whose source is filled under its own name
+            elif key.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
+                continue  # LoRA adapters (quantization/lora.py) keep their initial values: a base model has none
             else:
                 raise KeyError(f"{folder}: nothing in the checkpoint for '{key}'")
             done.add(id(t))

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from torchtitan.components.quantization import float8
+from torchtitan.components.quantization import float8, lora
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.moe import with_moe_overrides
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -76,6 +76,8 @@ def build_model_parts(cfg: JobConfig, parallel_dims: ParallelDims, pipeline: Pip
         model = spec.model_cls(model_args)
     if "float8" in cfg.model.converters:  # before any parallelism: TP and FSDP pick their float8 forms from it
         float8.convert(model, cfg)
+    if "lora" in cfg.model.converters:  # before any parallelism: TP places the adapters by the base's style
+        lora.convert(model, cfg)
     if pipeline is None:
         parts = [model]
     else:

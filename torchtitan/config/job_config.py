@@ -32,7 +32,7 @@ class Model:
     tokenizer_path: str = ""
     """tokenizer.json file or a folder holding one ("" = the default BPE trained on the embedded corpus)"""
     converters: list[str] = field(default_factory=list)
-    """Model converters applied after building and before parallelisms: [] or ["float8"] (the [float8] section)"""
+    """Model converters applied after building and before parallelisms: "float8" ([float8]), "lora" ([lora])"""
     attn_mask_type: str = "causal"
     """causal (every earlier token of the packed row) | block_causal (only its own document's; docs/data.md)"""
 
@@ -329,6 +329,18 @@ class Float8:
 
 
 @dataclass
+class Lora:
+    rank: int = 8
+    """Rank r of each adapter: A is [r, in_features], B is [out_features, r] (docs/finetuning.md, LoRA)"""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank"""
+    dropout: float = 0.0
+    """Dropout probability on the adapter's input (the base projection sees the undropped input)"""
+    target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
+    """Linear layers that get adapters, by the last part of their name (e.g. wq, w1), or ["all-linear"]; never output"""
+
+
+@dataclass
 class Rl:
     enable: bool = False
     """GRPO post-training (docs/rl.md); set by `python -m torchtitan.rl.train`, refused by the pretraining trainer"""
@@ -401,4 +413,5 @@ class JobConfig:
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     moe: Moe = field(default_factory=Moe)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     rl: Rl = field(default_factory=Rl)

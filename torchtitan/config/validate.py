@@ -68,6 +68,7 @@ def check_values(cfg: JobConfig) -> None:
     _check_checkpoint(cfg)
     _check_profiling(cfg)
     _check_float8(cfg)
+    _check_lora(cfg)
     _check_rl(cfg)
     check_moe(cfg)
     _positive("metrics.log_freq", cfg.metrics.log_freq)
@@ -346,7 +347,7 @@ def _check_checkpoint(cfg: JobConfig) -> None:
         _err("checkpoint.create_seed_checkpoint: needs checkpoint.enable = true (the seed goes into checkpoint.folder)")
 
 
-CONVERTERS = ("float8",)
+CONVERTERS = ("float8", "lora")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -374,6 +375,24 @@ def _check_float8(cfg: JobConfig) -> None:
              "float8.precompute_float8_dynamic_scale_for_fsdp (torchao's all-gather does not round the scales it "
              "computes itself)")
 
+
+def _check_lora(cfg: JobConfig) -> None:
+    lo, default = cfg.lora, type(cfg.lora)()
+    if "lora" not in cfg.model.converters:  # no [lora] key is accepted and then ignored
+        for key in (f.name for f in dataclasses.fields(lo)):
+            if getattr(lo, key) != getattr(default, key):
+                _err(f"lora.{key}: set, but model.converters does not include \"lora\"")
+        return
+    _positive("lora.rank", lo.rank)
+    _positive("lora.alpha", lo.alpha)
+    if not 0.0 <= lo.dropout < 1.0:
+        _err(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
+    if not lo.target_modules or ("all-linear" in lo.target_modules and len(lo.target_modules) > 1):
+        _err(f"lora.target_modules: {lo.target_modules}: give module names (e.g. wq, wv) or [\"all-linear\"] alone")
+    if "output" in lo.target_modules:
+        _err("lora.target_modules: the output projection never gets an adapter")
+    if "float8" in cfg.model.converters:
+        _err("model.converters: lora with float8 is not supported yet (the adapter wraps a plain Linear)")
 
 def _check_profiling(cfg: JobConfig) -> None:
     # The device check (memory snapshots need CUDA) is in tools/profiling.py: it needs the device type.

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components.quantization import float8
+from torchtitan.components.quantization import float8, lora
 from torchtitan.tools.logging import logger
 
 
@@ -88,6 +88,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
     within the block -> ParallelStyle, or a function of the block that returns it, for models whose blocks differ),
     which the model's own parallelize function supplies (torchtitan/models/llama3/parallelize.py)."""
     tied = _is_tied(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base weights
     top: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
@@ -114,9 +115,15 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         plan = block_plan(block) if callable(block_plan) else block_plan
-        # float8 (torchtitan/components/quantization/float8.py): tensorwise layers take the float8 styles
-        plan = {name: float8.tp_style(block.get_submodule(name), style, tp_mesh) for name, style in plan.items()}
+        # float8 (torchtitan/components/quantization/float8.py): tensorwise layers take the float8 styles;
+        # LoRA (lora.py): adapters placed by the base projection's style
+        plan = {name: lora.tp_style(block.get_submodule(name), float8.tp_style(block.get_submodule(name), style,
+                                                                                 tp_mesh), tp_mesh)
+                for name, style in plan.items()}
         parallelize_module(block, tp_mesh, plan)
+    for name, p in model.named_parameters():  # torch's SequenceParallel re-creates the norms' weights trainable
+        if name in frozen:
+            p.requires_grad_(False)
     # The sequence-sharded embedding output is a view of a DTensor's local tensor, and FSDP2 warns that an
     # in-place op on it would skip its pre-backward hook. The blocks only use out-of-place residual adds
     # (`h = x + ...`), so the warning describes nothing that can happen here.

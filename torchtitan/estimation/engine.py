@@ -210,7 +210,7 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
 def _create_optimizer_state(parts, optimizer) -> None:
     """One optimizer step on zero gradients, untracked: the tracked step then starts in the steady state (moments
     allocated) while still paying the first step's lazy initialisations, so one step covers both cases."""
-    for p in (p for part in parts for p in part.parameters()):
+    for p in (p for part in parts for p in part.parameters() if p.requires_grad):  # frozen ones (LoRA) have none
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -298,7 +298,9 @@ def _summarise(tracker: MemoryTracker, params, optimizer, rank: int, world_size:
     def local_numel(ts) -> int:
         return sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in ts if t is not None)
 
-    counts = {"parameters": local_numel(params), "gradients": local_numel(p.grad for p in params),
+    counts = {"parameters": local_numel(params),
+              "trainable_parameters": local_numel(p for p in params if p.requires_grad),
+              "gradients": local_numel(p.grad for p in params),
               "optimizer_state": local_numel(t for t in state if t.dim() > 0)}
     return Estimate(rank=rank, world_size=world_size, step_peaks=step_peaks, steady_bytes=steady, counts=counts,
                     seconds=seconds)

@@ -74,7 +74,8 @@ def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_b
     """Closed-form numbers to hold the tracked ones against (GiB).
 
     States: 4 bytes per local parameter element (fp32 sharded master weights), the same for the gradient
-    (fp32 reduce) and 8 for AdamW's two moments. Activations without checkpointing: per token and layer about
+    (fp32 reduce) and 8 for AdamW's two moments, these two for trainable parameters only (LoRA freezes the rest).
+    Activations without checkpointing: per token and layer about
     11 x dim + 3 x kv_dim + 4 x ffn_hidden elements saved for backward (norm inputs/outputs, q/k/v before and
     after rotary, attention output, the four SwiGLU tensors), with per-op AC 4 x dim + 2 x kv_dim + 2 x
     ffn_hidden (matmul and attention outputs), divided by TP; checkpointed blocks keep their input; plus the
@@ -100,10 +101,11 @@ def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_b
                                     else 1) / loss_chunks(cfg, parallel_dims, None, args.vocab_size)
     act_elems = tokens * (per_layer * layers_kept / tp + block_io / tp + logits)
     n = est.counts["parameters"]
+    trainable = est.counts.get("trainable_parameters", n)  # frozen parameters (LoRA's base) have neither
     return {
         "parameters": 4 * n / GIB,
-        "gradients": 4 * n / GIB,
-        "optimizer_state": 8 * n / GIB,
+        "gradients": 4 * trainable / GIB,
+        "optimizer_state": 8 * trainable / GIB,
         "activations": act_elems * param_bytes / GIB,
     }
 

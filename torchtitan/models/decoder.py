@@ -224,7 +224,8 @@ class Decoder(nn.Module):
         Order: tok_embeddings, then each block (attention_norm, the attention's projections and norms, ffn_norm,
         then the MLP or the MoE's router, experts and shared experts), then norm, then output (skipped when it is
         the tied embedding). This equals the order of `self.parameters()`, so a seeded, order-dependent
-        param_init is reproducible.
+        param_init is reproducible. Parameters added by a model converter (LoRA's adapters) come last, filled by
+        their modules' `init_adapter_weights(param_init)`.
         """
         fill = param_init if param_init is not None else default_param_init
         device = buffer_device if buffer_device is not None else self._default_buffer_device()
@@ -253,6 +254,11 @@ class Decoder(nn.Module):
             if self.output is not None and not tied:
                 # std dim**-0.5 makes initial logits roughly unit variance given a unit-RMS input.
                 fill(self.output.weight, trunc_normal(self.model_args.dim**-0.5))
+            # Parameters a model converter added (LoRA adapters, torchtitan/components/quantization/lora.py) are
+            # filled by their module, through the same param_init, so every layout initialises them alike.
+            for module in self.modules():
+                if hasattr(module, "init_adapter_weights"):
+                    module.init_adapter_weights(fill)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
