@@ -27,25 +27,15 @@ use_project_python()  # the system Python re-runs this under the project's (scri
 import torch  # noqa: E402
 
 from torchtitan.models.decoder import OutputProjection  # noqa: E402
+from torchtitan.tools.profiling import allocator_peak  # noqa: E402
 
 
 def _cpu_peak(fn) -> int:
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
+    return allocator_peak(prof)
 
 
 def measure(tokens: int, dim: int, vocab: int, chunks: int, dtype: torch.dtype, device: torch.device,

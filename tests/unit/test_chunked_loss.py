@@ -16,6 +16,7 @@ from torchtitan.config.manager import load_config
 from torchtitan.models.decoder import OutputProjection
 from torchtitan.models.llama3.args import llama3_flavors
 from torchtitan.models.llama3.model import Transformer
+from torchtitan.tools.profiling import allocator_peak
 
 
 def _model(seed: int = 0) -> Transformer:
@@ -77,22 +78,10 @@ def test_chunked_loss_without_gradients_and_under_bf16_autocast():
 
 
 def _allocator_peak(fn) -> int:
-    """Highest sum of live bytes allocated while `fn` runs, replayed from the profiler's allocator events."""
-    from torch._C._profiler import _EventType
-
+    """Highest sum of live bytes allocated while `fn` runs (the profiler's allocator events)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
+    return allocator_peak(prof)
 
 
 @pytest.mark.parametrize("grad", [True, False])

@@ -25,11 +25,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from tests.unit.forked import run_ranks  # noqa: E402
-from tests.unit.test_memory_estimation import _allocator_peak  # noqa: E402
 from torchtitan.components.hf_io import load_hf, save_hf  # noqa: E402
 from torchtitan.components.hf_sharded import load_hf_sharded, save_hf_sharded  # noqa: E402
 from torchtitan.models.llama3.args import llama3_flavors  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
+from torchtitan.tools.profiling import allocator_peak  # noqa: E402
 
 # 4 equal blocks (3.0 MiB each in float32) and a small vocabulary, so the model is dominated by its blocks (14.0 MiB
 # in all) and one block is 1/4 of it. The bound checked is per rank (twice its largest shard, 0.5 or 1.0 MiB here),
@@ -110,14 +110,14 @@ def _export(rank: int, folder: Path, layout: str, model: Transformer) -> tuple[i
     sd = model.state_dict()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         save_hf_sharded(folder, sd, ARGS, model="llama3")
-    return _allocator_peak(prof, since_start=True), _largest_shard(model)
+    return allocator_peak(prof, since_start=True), _largest_shard(model)
 
 
 def _import(rank: int, folder: Path, layout: str, want: Path) -> tuple[int, int]:
     model = _nan_sharded(layout)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         load_hf_sharded(folder, [model], ARGS, model="llama3")
-    peak = _allocator_peak(prof, since_start=True), _largest_shard(model)
+    peak = allocator_peak(prof, since_start=True), _largest_shard(model)
     got = _full(model)  # collective: every rank gathers
     if rank == 0:
         _assert_equals_saved(got, want)
@@ -320,7 +320,7 @@ def _io_405b_block(folder: Path) -> dict:
         create_file(folder / name, head, ents)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         hf_sharded._write_own(sd, links, entries, set(sd))
-    export_peak = _allocator_peak(prof)
+    export_peak = allocator_peak(prof)
     hf_io._write_json(folder / hf_io.INDEX_NAME, {"metadata": {}, "weight_map": {k: e.path.name
                                                                                  for k, e in entries.items()}})
     hf_io._write_json(folder / hf_io.CONFIG_NAME, adapter.hf_config(args))
@@ -328,7 +328,7 @@ def _io_405b_block(folder: Path) -> dict:
         hf_sharded.load_hf_sharded(folder, models[1], args, model="llama3")
     local = [(a.to_local(), b.to_local()) for a, b in zip(sd.values(), model_state_dict(models[1]).values(),
                                                           strict=True)]
-    return {"export_peak": export_peak, "import_peak": _allocator_peak(prof),
+    return {"export_peak": export_peak, "import_peak": allocator_peak(prof),
             "local_bytes": sum(a.numel() * a.element_size() for a, _ in local),
             "largest_local": max(a.numel() * a.element_size() for a, _ in local),
             "round_trip": all(torch.equal(a, b) for a, b in local)}

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.unit.forked import in_child
-from tests.unit.test_memory_estimation import _allocator_peak
 from torchtitan.models import random_fill
 from torchtitan.models.random_fill import CHUNK, Constant, Normal, TruncNormal, uniform_at
+from torchtitan.tools.profiling import allocator_peak
 
 FILLS = [TruncNormal(0.02), Normal(1.0), TruncNormal(0.5, a=-0.1, b=0.7)]
 FILL_IDS = ["trunc_normal", "normal", "asymmetric_cut"]
@@ -176,7 +176,7 @@ def _init_405b_block(world_size: int) -> dict:
         materialize(parts, torch.device("cpu"), seed=0, param_init=dist_utils.param_init)
     params = [p for part in parts for p in part.parameters()]
     return {
-        "peak": _allocator_peak(prof),
+        "peak": allocator_peak(prof),
         "local_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in params),
         "largest_full_bytes": max(p.numel() * p.element_size() for p in params),
         "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in params),

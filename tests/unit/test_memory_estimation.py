@@ -42,38 +42,10 @@ from torchtitan.estimation.pipeline import (
     stage_blocks,
     with_stage_blocks,
 )
+from torchtitan.tools.profiling import allocator_peak
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--training.seq_len", "256", "--model.flavor", "debugmodel"]
-
-
-def _allocator_peak(prof, *, since_start: bool = False) -> int:
-    """Highest sum of live allocations, replayed from the profiler's allocation events in time order.
-
-    since_start: count only memory allocated while profiling. A free of older memory (in a process that measured
-    another layout before, one of its collective buffers that gloo's threads released late) is then skipped rather
-    than lowering the sum."""
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
-    live = peak = 0
-    alive = set()  # addresses allocated while profiling and not freed yet
-    for _, size, ptr in sorted(events):
-        if since_start:
-            if size > 0:
-                alive.add(ptr)
-            elif ptr in alive:
-                alive.remove(ptr)
-            else:
-                continue
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 def _measure(rank: int, args: list[str], world: int) -> int:
@@ -89,7 +61,7 @@ def _measure(rank: int, args: list[str], world: int) -> int:
         cp_mesh = resolved.parallel_dims.mesh("cp") if resolved.parallel_dims.cp > 1 else None
         run_steps(parts, optimizer, cfg, model_args.vocab_size, accum, loss_parallel, lambda phase: None,
                   pipeline=pipeline, pp_mesh=pp_mesh, cp_mesh=cp_mesh)
-    return _allocator_peak(prof, since_start=True)
+    return allocator_peak(prof, since_start=True)
 
 
 def _measure_each(rank: int, layouts: list[list[str]], world: int) -> list[int | str]:

@@ -193,3 +193,34 @@ def maybe_profile(cfg: Profiling, dump_folder: str | Path, rank: int, device_typ
     if not (cfg.enable_profiling or cfg.enable_memory_snapshot):
         return NullProfiler()
     return StepProfiler(cfg, dump_folder, rank, device_type, first_step, last_step)
+
+
+def allocator_peak(prof, *, since_start: bool = False) -> int:
+    """Highest sum of live CPU allocations during a `torch.profiler.profile(profile_memory=True)` run, replayed from
+    its allocator events (every allocation and free, with its size and time): memory measured independently of
+    the memory estimator, for its accuracy tests and the benchmarks.
+
+    since_start: count only memory allocated while profiling. A free of older memory (in a process that measured
+    another layout before, one of its collective buffers that gloo's threads released late) is then skipped rather
+    than lowering the sum."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
+    live = peak = 0
+    alive = set()  # addresses allocated while profiling and not freed yet
+    for _, size, ptr in sorted(events):
+        if since_start:
+            if size > 0:
+                alive.add(ptr)
+            elif ptr in alive:
+                alive.remove(ptr)
+            else:
+                continue
+        live += size
+        peak = max(peak, live)
+    return peak
