@@ -1,7 +1,8 @@
-"""The chat SFT recipe end to end (train_configs/llama3_sft_chat.toml, docs/finetuning.md), on a tiny Llama 3 exported
-to a Hugging Face folder with a chat tokenizer: the run starts from the folder's weights (its first loss is the one
-`transformers` computes for the same batch and assistant-only labels), validates on held-out conversations, and
-exports a Hugging Face folder that `transformers` loads and scripts/generate.py chats with. CPU only, no network.
+"""The chat SFT recipe end to end (train_configs/llama3_sft_chat.toml, docs/finetuning.md), on a tiny Llama 3 and a
+tiny Qwen3 (the recipe's model name overridden) exported to a Hugging Face folder with a chat tokenizer: the run
+starts from the folder's weights (its first loss is the one `transformers` computes for the same batch and
+assistant-only labels), validates on held-out conversations, and exports a Hugging Face folder that `transformers`
+loads and scripts/generate.py chats with. CPU only, no network.
 """
 
 from __future__ import annotations
@@ -25,37 +26,39 @@ def _train(argv: list[str]) -> None:
     main(argv)
 
 
-def _first_batch(tok, path: Path) -> dict[str, torch.Tensor]:
+def _first_batch(tok, path: Path, template: str) -> dict[str, torch.Tensor]:
     from torchtitan.data.chat import ChatEncoder
     from torchtitan.data.chat_loader import build_chat_dataloader
     from torchtitan.data.chat_source import build_chat_source
 
     source = build_chat_source(dataset_path=str(path), dataset_format="chat", split="train", streaming="false",
                                cache_dir=None, key_prefix="training")
-    loader = build_chat_dataloader(source=source, encoder=ChatEncoder(tok, "llama3", "assistant"), seq_len=SEQ,
+    loader = build_chat_dataloader(source=source, encoder=ChatEncoder(tok, template, "assistant"), seq_len=SEQ,
                                    local_batch_size=BATCH, dp_rank=0, dp_degree=1)
     return next(iter(loader))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_chat_sft_from_a_hugging_face_folder_and_back(tmp_path: Path, capsys) -> None:
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize(("model", "template"), [("llama3", "llama3"), ("qwen3", "chatml")])
+def test_chat_sft_from_a_hugging_face_folder_and_back(model: str, template: str, tmp_path: Path, capsys) -> None:
+    import transformers
+
     from torchtitan.components.hf_io import save_hf
-    from torchtitan.models.llama3.args import llama3_flavors
-    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.registry import get_model_spec
 
     tok = make_tokenizer(tmp_path / "tok")  # bytes plus the chat special tokens (267 ids)
     torch.manual_seed(0)
-    base = Transformer(llama3_flavors["debugmodel_small"])  # vocabulary 512
+    spec = get_model_spec(model)
+    base = spec.model_cls(spec.flavors["debugmodel_small"])  # vocabulary 512
     base.init_weights()
-    hf_in = save_hf(tmp_path / "base-hf", base.state_dict(), base.model_args, model="llama3", tokenizer=tok)
+    hf_in = save_hf(tmp_path / "base-hf", base.state_dict(), base.model_args, model=model, tokenizer=tok)
     train, val = write_jsonl(tmp_path / "train.jsonl", conversations(12, seed=5)), \
         write_jsonl(tmp_path / "val.jsonl", conversations(4, seed=6))
     argv = ["--job.config_file", str(REPO / "train_configs" / "llama3_sft_chat.toml"),
             "--job.dump_folder", str(tmp_path / "run"), "--model.flavor", "debugmodel_small",
             "--model.tokenizer_path", str(hf_in), "--checkpoint.initial_load_path", str(hf_in),
             "--training.dataset_path", str(train), "--validation.dataset_path", str(val),
-            "--training.chat_template", "llama3", "--training.seq_len", str(SEQ), "--training.local_batch_size",
+            "--training.chat_template", template, "--model.name", model, "--training.seq_len", str(SEQ), "--training.local_batch_size",
             str(BATCH), "--training.steps", str(STEPS), "--training.num_workers", "0", "--validation.freq",
             str(STEPS), "--checkpoint.interval", str(STEPS), "--metrics.log_freq", "1", "--optimizer.lr", "1e-3",
             "--lr_scheduler.warmup_steps", "1", "--activation_checkpoint.mode", "none"]
@@ -66,7 +69,7 @@ def test_chat_sft_from_a_hugging_face_folder_and_back(tmp_path: Path, capsys) ->
 
     # Step 1 trains the imported weights: its loss is transformers' cross-entropy of the same batch over the
     # assistant tokens only (a run that started from random weights, or labelled prompts, would differ).
-    batch = _first_batch(tok, train)
+    batch = _first_batch(tok, train, template)
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_in, torch_dtype=torch.float32)
     with torch.no_grad():
         logits = reference(batch["tokens"]).logits
@@ -89,11 +92,11 @@ def test_chat_sft_from_a_hugging_face_folder_and_back(tmp_path: Path, capsys) ->
     from torchtitan.data.chat import render_generation_prompt
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    want_ids = render_generation_prompt(tok, messages, "llama3")
+    want_ids = render_generation_prompt(tok, messages, template)
     hf_tok = transformers.AutoTokenizer.from_pretrained(hf_out)
     got = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert list(got["input_ids"] if hasattr(got, "keys") else got) == want_ids
     assert load_script("generate").main([str(hf_out), "--prompt", "hi", "--chat", "tokenizer", "--max-new-tokens", "3",
                                          "--json", "--device", "cpu"]) == 0
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert record["prompt_tokens"] == render_generation_prompt(tok, [{"role": "user", "content": "hi"}], "llama3")
+    assert record["prompt_tokens"] == render_generation_prompt(tok, [{"role": "user", "content": "hi"}], template)
