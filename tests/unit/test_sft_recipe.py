@@ -60,8 +60,8 @@ def test_chat_sft_from_a_hugging_face_folder_and_back(model: str, template: str,
             "--training.dataset_path", str(train), "--validation.dataset_path", str(val),
             "--training.chat_template", template, "--model.name", model, "--training.seq_len", str(SEQ),
             "--training.local_batch_size", str(BATCH), "--training.steps", str(STEPS), "--training.num_workers", "0",
-            "--validation.freq", str(STEPS), "--checkpoint.interval", str(STEPS), "--metrics.log_freq", "1", "--optimizer.lr", "1e-3",
-            "--lr_scheduler.warmup_steps", "1", "--activation_checkpoint.mode", "none"]
+            "--validation.freq", str(STEPS), "--checkpoint.interval", str(STEPS), "--metrics.log_freq", "1",
+            "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "1", "--activation_checkpoint.mode", "none"]
     code, _, err = run_main(_train, argv, env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                                                "TORCHTITAN_CACHE_DIR": str(tmp_path / "cache")}, cwd=REPO)
     assert code == 0, err[-3000:]
