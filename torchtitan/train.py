@@ -174,6 +174,7 @@ class Trainer:
             cfg.checkpoint, dump_folder=self.dump_folder, model_parts=self.model_parts, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.train_state,
             model_args=model_args, world_size=parallel_dims.world_size, rank=self.rank,
+            trainable_only=cfg.lora.save_adapter_only,
         )
         self.startup.mark("optimizer and the rest")
         if not cfg.checkpoint.create_seed_checkpoint:

@@ -283,3 +283,21 @@ REFERENCES["single_process_float8_rowwise_rows4"] = Layout(
 FLOAT8_LAYOUTS.append(Layout("float8_rowwise_fsdp2_tp2", 4, (*dp(4, 2), *_TP2, *_FLOAT8_ROWWISE),
                              reference="single_process_float8_rowwise_rows4"))
 ALL_LAYOUTS += FLOAT8_LAYOUTS
+
+# LoRA (docs/finetuning.md): rank-4 adapters on every block projection, everything else frozen (the harness checks
+# that frozen parameters get no gradient and keep their initial values bit for bit). B starts at zero, so step 1
+# trains B alone; at the default learning rate the adapters hardly move the loss in 3 steps, hence 1e-2.
+LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4", "--lora.alpha", "8",
+         "--optimizer.lr", "1e-2")
+REFERENCES["single_process_lora"] = Layout("single_process_lora", 1, (*dp(8, 1), *LORA))
+LORA_LAYOUTS = [Layout(name, nproc, (*overrides, *LORA), reference="single_process_lora")
+                for name, nproc, overrides in (
+    # column-wise bases keep A whole and shard B's rows, row-wise ones shard A's columns and keep B whole; FSDP
+    # shards both again and reduces the adapters' gradients only
+    ("lora_fsdp2_tp2_op_ac_accum", 4, (*dp(2, 2), *_TP2, "--activation_checkpoint.mode", "selective",
+                                       "--activation_checkpoint.selective_ac_option", "op")),
+    ("lora_pp2_1f1b_full_ac", 2, (*dp(4, 1), *pp("1F1B"), "--activation_checkpoint.mode", "full")),
+    # DDP's gradient hook over a model of mostly frozen parameters, with accumulation
+    ("lora_ddp2_accum", 2, (*dp(2, 2), *_REPLICATE, "2", "--parallelism.data_parallel_shard_degree", "1")),
+)]
+ALL_LAYOUTS += LORA_LAYOUTS

@@ -5,6 +5,7 @@ per tensor, the largest difference of its gradient norm and of its values over a
     python -m tests.integration.noise_floor                 # about 20 minutes on 2 CPU cores
     python -m tests.integration.noise_floor -k moe --json differences.json
     python -m tests.integration.noise_floor -k float8 --write   # rewrites the tolerances of the references measured
+    python -m tests.integration.noise_floor -k single_process_lora --write   # one reference and all its layouts
 
 docs/testing.md records the output the tolerances in tests/integration/parity.py were derived from.
 """
@@ -34,7 +35,7 @@ from tests.integration.pool import Pools
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", default="", help="only the layouts whose name contains this")
+    parser.add_argument("-k", default="", help="only the layouts whose name contains this, or of this reference")
     parser.add_argument("--json", help="also write every per-tensor difference to this file")
     parser.add_argument("--write", action="store_true",
                         help=f"derive the per-tensor tolerances and write them to {TENSOR_TOLERANCE_FILE.name}")
@@ -43,7 +44,8 @@ def main() -> None:
     env = {"TORCHTITAN_CACHE_DIR": str(tmp / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "cache" / "inductor"),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     os.environ.update(env)
-    layouts = [layout for layout in ALL_LAYOUTS if args.k in layout.name]
+    # a reference's name selects all of its layouts (a substring of layout names may catch another reference's)
+    layouts = [layout for layout in ALL_LAYOUTS if args.k in layout.name or args.k == layout.reference]
     pools = Pools(tmp / "logs", env)
     rows, per_tensor = [], {}
     try:

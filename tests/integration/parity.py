@@ -91,6 +91,10 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
         raise
     assert expect != "setup_error", "the layout was expected to fail during setup, but the Trainer was built"
     undo = [FAULTS[fault[0]](trainer, *fault[1:]) for fault in faults]
+    # Frozen parameters (LoRA's base weights, norms, embeddings) get no gradient and must never change: their
+    # fingerprints after every step are compared bit for bit with these (the same ranks sum them in the same order).
+    frozen = frozen_names(trainer.model_parts)
+    initial = tensor_fingerprints(trainer.model_parts, "param", only=frozen) if fingerprints and frozen else {}
     # The guard is asked after the gradient norm and before clipping: the gradients are then final and unclipped.
     should_step = trainer.guard.should_step
 
@@ -119,10 +123,20 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
     metrics_file = Path(dump_folder) / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line] \
         if metrics_file.exists() else []
-    return {**result, "metrics": metrics, "params": params, "grads": grads}
+    return {**result, "metrics": metrics, "params": params, "grads": grads, "frozen": sorted(frozen),
+            "initial": initial}
 
 
-def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str) -> dict[str, list[list[float]]]:
+def frozen_names(model_parts: list[torch.nn.Module]) -> set[str]:
+    """The names of the parameters with requires_grad False on any rank (pipeline stages hold different ones)."""
+    mine = {name for name, p in named_parameters(model_parts) if not p.requires_grad}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return set().union(*gathered)
+
+
+def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str, only: set[str] | None = None
+                        ) -> dict[str, list[list[float]]]:
     """name -> the distinct fingerprints of every parameter (of="param") or its gradient (of="grad") over the job.
 
     A gradient's fingerprint is its L2 norm; a parameter's is its norm and PROJECTIONS projections on fixed random
@@ -130,12 +144,12 @@ def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str) -> dict[str
     In float64. Each rank adds up the box of the whole tensor it holds (a shard, or all of it) and one all-gather per
     call merges the boxes by name: one copy of each box counts; a box held by several ranks whose copies differ
     (replicas that drifted apart: a missing reduction over tp or a replicate dimension) gives one more fingerprint per
-    differing copy, each compared with the reference.
+    differing copy, each compared with the reference. `only`: these names alone.
     """
     mine: list[tuple[str, tuple, list[float]]] = []
     for name, p in named_parameters(model_parts):
         t = p if of == "param" else p.grad
-        if t is None:
+        if t is None or (only is not None and name not in only):
             continue
         local, (indices, box) = _local_elements(t)
         x = local.detach().to(torch.float64).flatten()
@@ -237,16 +251,16 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE,
                 if not rel <= tolerance[key]:
                     problems.append((rel, f"step {ref['step']}: {key} {got[key]!r} vs {ref[key]!r} (rel {rel:.2e})"))
     steps = [m["step"] for m in ref_metrics]
+    problems += [(math.inf, text) for text in frozen_problems(run, reference, steps)]
     for kind, of in (("grads", "grad"), ("params", "param")):
         if len(run[kind]) != len(reference[kind]):
             problems.append((math.inf, f"{len(run[kind])} steps of {of} fingerprints vs {len(reference[kind])}"))
         for step, got, ref in zip(steps, run[kind], reference[kind], strict=False):
             if set(got) != set(ref):
                 problems.append((math.inf, f"step {step}: {of} names differ: {sorted(set(got) ^ set(ref))[:4]}"))
-                continue
-            for name, (ref_values,) in ref.items():
+            for name, (ref_values,) in ref.items():  # the names both have still compared: each is its own symptom
                 limit = (tensors or {}).get(of, {}).get(name, tolerance[of])
-                for copy in got[name]:
+                for copy in got.get(name, ()):
                     rel = tensor_difference(copy, ref_values)
                     if not rel <= limit:
                         what = "gradient norm" if of == "grad" else "values"
@@ -254,6 +268,19 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE,
                         problems.append((rel, f"step {step}: {name} {what} off by {rel:.2e} relative{copies}"))
     problems.sort(key=lambda p: -p[0])
     return [text for _, text in problems]
+
+
+def frozen_problems(run: dict, reference: dict, steps: list[int]) -> list[str]:
+    """A frozen parameter must be frozen in both runs, have no gradient, and keep its initial values exactly (its
+    initial values are compared with the reference's like any parameter's, at every step)."""
+    frozen, ref_frozen = set(run.get("frozen", ())), set(reference.get("frozen", ()))
+    problems = [f"frozen in only one of the runs: {sorted(frozen ^ ref_frozen)[:4]}"] if frozen != ref_frozen else []
+    for step, grads, params in zip(steps, run["grads"], run["params"], strict=False):
+        if with_grad := sorted((frozen | ref_frozen) & set(grads)):
+            problems.append(f"step {step}: frozen parameters have gradients: {with_grad[:4]}")
+        if moved := sorted(name for name in frozen if params.get(name) != run.get("initial", {}).get(name)):
+            problems.append(f"step {step}: frozen parameters changed: {moved[:4]}")
+    return problems
 
 
 def max_relative_differences(run: dict, reference: dict) -> dict[str, float]:
@@ -390,5 +417,34 @@ def _local_float8_amax(trainer) -> Callable[[], None]:
     return lambda: setattr(float8_utils, "tensor_to_amax", tensor_to_amax)
 
 
+def _partial_adapter_grads(trainer) -> Callable[[], None]:
+    """The LoRA bug of a replicated adapter under TP whose gradient is taken as whole while it is each rank's partial
+    sum (the row-wise layers' B, the column-wise ones' A: torchtitan/components/quantization/lora.py): declared
+    replicated without the reduction over tp. Patched before the first forward registers the hook. Returns the undo."""
+    from torch.distributed.tensor import Replicate
+
+    from torchtitan.components.quantization import lora
+
+    replicated_grad = lora._replicated_grad
+
+    def local_as_whole(grad):
+        if any(pl.is_partial() for pl in grad.placements):
+            return DTensor.from_local(grad.to_local(), grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
+                                      run_check=False)
+        return grad
+
+    lora._replicated_grad = local_as_whole
+    return lambda: setattr(lora, "_replicated_grad", replicated_grad)
+
+
+def _unfreeze(trainer, name: str) -> None:
+    """The LoRA bug of a parameter left trainable (a norm the converter forgot to freeze): it gets a gradient and its
+    optimizer updates it."""
+    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
+    param.requires_grad_(True)
+    trainer.optimizer.optimizers[0].param_groups[0]["params"].append(param)
+
+
 FAULTS = {"nan_gradient": _nan_gradient, "average_gradients": _average_gradients, "scale_gradients": _scale_gradients,
-          "misplace_values": _misplace_values, "local_float8_amax": _local_float8_amax}
+          "misplace_values": _misplace_values, "local_float8_amax": _local_float8_amax,
+          "partial_adapter_grads": _partial_adapter_grads, "unfreeze": _unfreeze}

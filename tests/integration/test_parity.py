@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.conftest import mesh_shape, train_layout
-from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, REFERENCES, dp
+from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, LORA, REFERENCES, dp
 from tests.integration.parity import (
     REFERENCE_TOLERANCE,
     TENSOR_TOLERANCE,
@@ -186,3 +186,24 @@ def test_the_harness_sees_values_in_the_wrong_place(reference, pools, tmp_path):
     assert not any(line.startswith("step 2:") for line in problems), problems[:5]
     norm_then, norm_ref = run["params"][2][_PROJECTION][0][0], ref["params"][2][_PROJECTION][0][0]
     assert abs(norm_then - norm_ref) <= TOLERANCE["param"] * norm_ref
+
+
+# Under TP the row-wise layers' B (wo, w2) is replicated and each rank computes a partial sum of its gradient (over
+# its shard of the hidden units), which a hook sums over tp; the column-wise layers' A likewise.
+_ROW_WISE_B = {f"layers.{i}.{module}.lora_b" for i in range(4) for module in ("attention.wo", "feed_forward.w2")}
+_NORM = "layers.1.ffn_norm.weight"
+
+
+def test_the_harness_sees_lora_bugs_under_tp(reference, pools, tmp_path):
+    """Two planted LoRA bugs on TP 2, in one run (each one's symptoms are its own): a replicated adapter's partial
+    gradient taken as whole, where exactly the row-wise layers' B gradients must be off at step 1 (A's gradient is
+    zero there since B starts at zero, and nothing else has changed yet); and a norm left trainable, which the
+    harness must report as trainable in only one run and with a gradient at every step."""
+    run = train_layout(pools, 2, (*dp(8, 1), "--parallelism.tensor_parallel_degree", "2", *LORA), tmp_path,
+                       faults=(("partial_adapter_grads",), ("unfreeze", _NORM)))
+    problems = compare(run, reference("single_process_lora"), tensors=TENSOR_TOLERANCE["single_process_lora"])
+    flagged = {line.split(" ")[2] for line in problems if line.startswith("step 1:") and "gradient norm" in line}
+    assert flagged == _ROW_WISE_B, sorted(flagged ^ _ROW_WISE_B)
+    assert f"frozen in only one of the runs: ['{_NORM}']" in problems, problems[:5]
+    for step in (1, 2, 3):
+        assert f"step {step}: frozen parameters have gradients: ['{_NORM}']" in problems, problems[:5]

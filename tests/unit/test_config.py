@@ -651,6 +651,9 @@ INVALID_VALUES = [
     (["--model.converters", "lora", "--lora.target_modules", "all-linear,wq"], "lora.target_modules"),
     (["--model.converters", "lora", "--lora.target_modules", "output"], "lora.target_modules"),
     (["--model.converters", "lora,float8"], "model.converters: lora with float8"),
+    (["--lora.save_adapter_only", "true"], "lora.save_adapter_only: set, but model.converters does not include"),
+    (["--model.converters", "lora", "--lora.save_adapter_only", "true", "--checkpoint.enable"],
+     "lora.save_adapter_only"),
     # RL (python -m torchtitan.rl.train sets rl.enable; without it every [rl] key is refused)
     (["--rl.group_size", "8"], "rl.group_size: set, but rl.enable is false"),
     (["--rl.enable", "--parallelism.tensor_parallel_degree", "2"], "rl.enable"),

@@ -8,6 +8,9 @@ A full checkpoint `<dump_folder>/<checkpoint.folder>/step-<N>/` holds, under the
   train_state   {step, tokens_seen}
   rng           {"rank<r>": {"cpu": ..., "cuda": ...}}: each rank's generators under its own key, restored
                 only when resuming with the same world size
+With `trainable_only` (lora.save_adapter_only) `model` holds the trainable parameters alone (LoRA's adapters; the
+optimizer has state for nothing else) and the marker says `trainable_only`: resuming from it loads the base weights
+from `initial_load_path` first, then the checkpoint over them.
 The last step always writes a full checkpoint, so a finished run can be extended (more training.steps) exactly;
 `last_save_model_only` adds the weights alone as an export, `step-<N>-model/` (in `export_dtype`), and
 `last_save_in_hf` a Hugging Face folder `step-<N>-hf/`. The seed checkpoint (`step-0`) holds just `model`.
@@ -34,10 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from torchtitan.components import checkpoint_io as cio
 from torchtitan.components.checkpoint_io import CheckpointError, checkpoint_step_folders
-from torchtitan.components.model_parts import load_model_state_dict, model_state_dict
+from torchtitan.components.model_parts import load_model_state_dict, model_state_dict, named_parameters
 from torchtitan.components.quantization import lora_export
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.tools.logging import logger
@@ -74,7 +78,8 @@ class CheckpointManager:
 
     def __init__(self, cfg: Checkpoint, *, dump_folder: str | Path, model_parts: list[nn.Module],
                  optimizer: Any, lr_scheduler: Any, dataloader: Any,
-                 train_state: TrainState, model_args: Any, world_size: int, rank: int) -> None:
+                 train_state: TrainState, model_args: Any, world_size: int, rank: int,
+                 trainable_only: bool = False) -> None:
         if cfg.async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode: unknown '{cfg.async_mode}'; use one of {', '.join(ASYNC_MODES)}")
         if cfg.export_dtype not in _DTYPES:
@@ -92,6 +97,7 @@ class CheckpointManager:
         self.model_parts, self.optimizer, self.lr_scheduler = model_parts, optimizer, lr_scheduler
         self.dataloader, self.train_state, self.model_args = dataloader, train_state, model_args
         self.world_size, self.rank = world_size, rank
+        self.trainable_only = trainable_only
         distributed = dist.is_available() and dist.is_initialized()
         needed = cfg.enable or bool(cfg.initial_load_path) or cfg.create_seed_checkpoint
         # new_group is collective: every rank builds the manager with the same config, so all agree.
@@ -116,26 +122,33 @@ class CheckpointManager:
         if cfg.enable:
             target = cio.resume_target(self.folder, cfg.load_step)
             if target is not None:
+                if (cio.read_marker(target) or {}).get("trainable_only"):
+                    if not cfg.initial_load_path:
+                        raise CheckpointError(f"checkpoint: {target} holds only the trainable parameters (LoRA "
+                                              "adapters): set checkpoint.initial_load_path to the base weights")
+                    self._load_initial(Path(cfg.initial_load_path), model_only=True)
                 wanted = set(cio.STATE_KEYS) - set(cfg.exclude_from_loading)
                 self._load_dcp(target, wanted)
                 return True
         if cfg.initial_load_path:
-            path = Path(cfg.initial_load_path)
-            if not path.is_dir():
-                raise FileNotFoundError(f"checkpoint.initial_load_path: {path} is not a folder")
-            if cfg.initial_load_in_hf:
-                self._load_hf(path)
-                return True
-            if not (path / cio.METADATA).is_file():
-                raise FileNotFoundError(f"checkpoint.initial_load_path: {path} has no DCP .metadata (an incomplete "
-                                        "save, or a Hugging Face folder: set checkpoint.initial_load_in_hf)")
-            if cio.read_marker(path) is None:  # e.g. written by another tool; DCP writes .metadata last
-                logger.warning(f"checkpoint.initial_load_path: {path} has no {cio.MARKER} marker; loading it "
-                               "because DCP's .metadata (written after every shard) is present")
-            wanted = {"model"} if cfg.initial_load_model_only else set(cio.STATE_KEYS) - set(cfg.exclude_from_loading)
-            self._load_dcp(path, wanted)
+            self._load_initial(Path(cfg.initial_load_path), model_only=cfg.initial_load_model_only)
             return True
         return False
+
+    def _load_initial(self, path: Path, model_only: bool) -> None:
+        """The initial weights (and, unless model_only, the state) from checkpoint.initial_load_path."""
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint.initial_load_path: {path} is not a folder")
+        if self.cfg.initial_load_in_hf:
+            self._load_hf(path)
+            return
+        if not (path / cio.METADATA).is_file():
+            raise FileNotFoundError(f"checkpoint.initial_load_path: {path} has no DCP .metadata (an incomplete "
+                                    "save, or a Hugging Face folder: set checkpoint.initial_load_in_hf)")
+        if cio.read_marker(path) is None:  # e.g. written by another tool; DCP writes .metadata last
+            logger.warning(f"checkpoint.initial_load_path: {path} has no {cio.MARKER} marker; loading it "
+                           "because DCP's .metadata (written after every shard) is present")
+        self._load_dcp(path, {"model"} if model_only else set(cio.STATE_KEYS) - set(self.cfg.exclude_from_loading))
 
     def _load_dcp(self, path: Path, wanted: set[str]) -> None:
         t0 = time.perf_counter()
@@ -146,10 +159,15 @@ class CheckpointManager:
         state: dict[str, Any] = {}
         if "model" in wanted:
             msd = model_state_dict(self.model_parts)
-            # A base model's checkpoint has no LoRA adapters: they keep their initial values (B = 0).
+            # A base model's checkpoint has no LoRA adapters: they keep their initial values (B = 0). A trainable-only
+            # one has nothing else: the base weights were loaded from initial_load_path just before.
             prefix = "" if flat_model else "model."
+            some = info.get("trainable_only", False)
+            whole = len(msd)
             msd = {k: v for k, v in msd.items()
-                   if not lora_export.is_adapter(k) or prefix + k in md.state_dict_metadata}
+                   if (not some and not lora_export.is_adapter(k)) or prefix + k in md.state_dict_metadata}
+            # the names left out on purpose keep their values (set_model_state_dict is strict otherwise)
+            partial = StateDictOptions(strict=False) if len(msd) < whole else None
             if flat_model:
                 state.update(msd)
             else:
@@ -183,7 +201,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint: loading {path} failed: {cio.one_line(e)}") from e
 
         if "model" in wanted:
-            load_model_state_dict(self.model_parts, state if flat_model else state["model"])
+            load_model_state_dict(self.model_parts, state if flat_model else state["model"], partial)
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         if "lr_scheduler" in state:
@@ -281,7 +299,7 @@ class CheckpointManager:
         # whole checkpoint (the broadcast is the barrier), and every rank raises if rank 0 refused.
         self._on_rank0(prepare, f"checkpoint: cannot save step {step}")
         info = {"step": step, "world_size": self.world_size, "model_only": model_only,
-                "dtype": dtype, "torch": torch.__version__}
+                "dtype": dtype, "torch": torch.__version__, "trainable_only": self.trainable_only and not model_only}
         self._last_saved = step
         if self._mode != "disabled" and not model_only:
             upload = self._start_async(state, path)
@@ -306,6 +324,9 @@ class CheckpointManager:
 
     def _full_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"model": model_state_dict(self.model_parts)}
+        if self.trainable_only:  # every rank keeps what it trains (pipeline stages hold different names)
+            trainable = {name for name, p in named_parameters(self.model_parts) if p.requires_grad}
+            state["model"] = {k: v for k, v in state["model"].items() if k in trainable}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         if self.lr_scheduler is not None:

@@ -338,6 +338,8 @@ class Lora:
     """Dropout probability on the adapter's input (the base projection sees the undropped input)"""
     target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
     """Linear layers that get adapters, by the last part of their name (e.g. wq, w1), or ["all-linear"]; never output"""
+    save_adapter_only: bool = False
+    """Checkpoints hold the trainable parameters (adapters), their optimizer and the training state, not the base"""
 
 
 @dataclass

@@ -393,6 +393,10 @@ def _check_lora(cfg: JobConfig) -> None:
         _err("lora.target_modules: the output projection never gets an adapter")
     if "float8" in cfg.model.converters:
         _err("model.converters: lora with float8 is not supported yet (the adapter wraps a plain Linear)")
+    # A resume loads the base weights again from initial_load_path, then the adapters over them.
+    if lo.save_adapter_only and not (cfg.checkpoint.enable and cfg.checkpoint.initial_load_path):
+        _err("lora.save_adapter_only: needs checkpoint.enable and checkpoint.initial_load_path (the base weights a "
+             "resumed run loads before the adapters)")
 
 def _check_profiling(cfg: JobConfig) -> None:
     # The device check (memory snapshots need CUDA) is in tools/profiling.py: it needs the device type.
