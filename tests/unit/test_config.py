@@ -656,7 +656,10 @@ INVALID_VALUES = [
      "lora.save_adapter_only"),
     # RL (python -m torchtitan.rl.train sets rl.enable; without it every [rl] key is refused)
     (["--rl.group_size", "8"], "rl.group_size: set, but rl.enable is false"),
-    (["--rl.enable", "--parallelism.tensor_parallel_degree", "2"], "rl.enable"),
+    (["--rl.enable", "--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel_degree=2: RL has no pipeline"),
+    (["--rl.enable", "--parallelism.context_parallel_degree", "2"], "context_parallel_degree=2: RL does not split"),
+    (["--rl.enable", "--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+      "--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree=2: RL does not support expert parallel"),
     (["--rl.enable", "--rl.group_size", "1"], "rl.group_size"),
     (["--rl.enable", "--rl.prompts_per_step", "0"], "rl.prompts_per_step"),
     (["--rl.enable", "--rl.train_groups", "-1"], "rl.train_groups"),

@@ -1,5 +1,5 @@
 """GRPO end to end on a tiny Llama (torchtitan/rl/loop.py): metrics written, the loss consistent with the
-advantages, an exact resume, and a 2-rank FSDP run equal to one process."""
+advantages, an exact resume, and FSDP, TP and FSDP x TP runs equal to one process."""
 
 from __future__ import annotations
 
@@ -98,19 +98,27 @@ def test_resume_continues_identically(straight, tmp_path):
     assert comparable(lines) == comparable(dump_folder_metrics(dump))
 
 
-def test_two_rank_fsdp_matches_one_process(straight, tmp_path):
+TP = ["--parallelism.tensor_parallel_degree", "2", "--checkpoint.enable", "false"]
+
+
+# The TP layouts run 2 of the 4 steps (CI time): step 2 already samples from weights synchronised out of the shards.
+@pytest.mark.parametrize(("world", "extra", "steps"), [(2, [], 4), (2, TP, 2), (4, TP, 2)],
+                         ids=["fsdp2", "tp2", "fsdp2_tp2"])
+def test_layouts_match_one_process(straight, tmp_path, world, extra, steps):
+    """Every layout samples the same completions (per-prompt seeds, weights synchronised from the shards) and
+    takes the same update (TP: loss parallel's vocab-sharded log-probabilities of the chosen tokens)."""
     dump, _ = straight
-    results = run(tmp_path, world=2)
-    assert all(sharded for _, sharded in results)  # FSDP: every parameter is a DTensor shard
-    one, two = comparable(dump_folder_metrics(dump)), comparable(dump_folder_metrics(tmp_path))
-    assert len(one) == len(two) == 4
+    results = run(tmp_path, world=world, extra=extra, until=steps)
+    assert all(sharded for _, sharded in results)  # FSDP and/or TP: every parameter is a DTensor
+    one, two = comparable(dump_folder_metrics(dump))[:steps], comparable(dump_folder_metrics(tmp_path))
+    assert len(one) == len(two) == steps
     for a, b in zip(one, two, strict=True):
         assert a.keys() == b.keys()
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
-def _entry_point(dump: str, port: int) -> tuple[int, str]:
+def _entry_point(dump: str, port: int, extra: list[str]) -> tuple[int, str]:
     import os
 
     os.environ["MASTER_PORT"] = str(port)
@@ -119,8 +127,9 @@ def _entry_point(dump: str, port: int) -> tuple[int, str]:
     torch.set_num_threads(1)
     from torchtitan.rl.train import run as rl_run
 
-    code = rl_run(ARGS + ["--job.dump_folder", dump, "--training.steps", "1", "--checkpoint.enable", "false"])
-    return code, (Path(dump) / "metrics.jsonl").read_text()
+    code = rl_run(ARGS + ["--job.dump_folder", dump, "--training.steps", "1", "--checkpoint.enable", "false"] + extra)
+    metrics = Path(dump) / "metrics.jsonl"
+    return code, metrics.read_text() if metrics.exists() else ""
 
 
 def test_entry_point_and_the_pretraining_trainer_refuses_rl(tmp_path):
@@ -129,8 +138,12 @@ def test_entry_point_and_the_pretraining_trainer_refuses_rl(tmp_path):
     from torchtitan.config.errors import ConfigError
     from torchtitan.config.preflight import check_job
 
-    code, metrics = in_child(_entry_point, str(tmp_path), free_port(), timeout=120)
+    code, metrics = in_child(_entry_point, str(tmp_path), free_port(), [], timeout=120)
     assert code == 0 and '"step": 1' in metrics
+    # The pre-flight check: the prompts (about 20 tokens) + 8 new ones cannot fit 16 positions; refused before step 1.
+    code, metrics = in_child(_entry_point, str(tmp_path / "short"), free_port(), ["--training.seq_len", "16"],
+                             timeout=120)
+    assert code == 2 and not metrics
     with pytest.raises(ConfigError, match="rl.enable: RL post-training runs through"):
         check_job(["--rl.enable", "true"], 1)
     with pytest.raises(ConfigError, match="rl.group_size: set, but rl.enable is false"):

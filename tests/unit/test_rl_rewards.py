@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from torchtitan.rl.data import PromptStream, encode_prompt, load_records, synthetic_record
+from torchtitan.rl.data import PromptStream, check_prompts_fit, encode_prompt, load_records, synthetic_record
 from torchtitan.rl.rewards import RewardSet, exact_answer, extract_answer, format_reward, resolve_reward
 
 GSM8K_REF = "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips.\n#### 72"
@@ -99,3 +99,30 @@ def test_prompt_encoding():
     tok = build_tokenizer("", default_cache_dir(), 512)
     ids = encode_prompt(tok, "What is 1 + 2?")
     assert ids[0] == tok.bos_id and tok.decode(ids[1:]) == "Question: What is 1 + 2?\nAnswer:"
+
+
+def _bytes(question: str) -> list[int]:  # a stand-in tokenizer: one token per byte
+    return list(question.encode())
+
+
+def test_preflight_synthetic_prompts_must_fit_seq_len():
+    # Every question "What is ab + cd?" is 16 bytes: 16 + max_new_tokens - 1 input positions.
+    for run_prompts in (16, 10**6):  # the run's own prompts, or every question the digits allow
+        check_prompts_fit(PromptStream("synthetic", 0), _bytes, 10, 25, run_prompts, "")
+        with pytest.raises(ValueError, match=r"rl.max_new_tokens: the longest prompt of the synthetic task "
+                                             r"\(rl.synthetic_digits 2\) .* has 16 tokens: .* training.seq_len 24"):
+            check_prompts_fit(PromptStream("synthetic", 0), _bytes, 10, 24, run_prompts, "")
+    # Three digits: the longest questions are longer, and only the run's prompts are checked (too many to list).
+    with pytest.raises(ValueError, match="has 18 tokens"):
+        check_prompts_fit(PromptStream("synthetic", 0, digits=3), _bytes, 10, 26, 10**6, "")
+
+
+def test_preflight_names_the_file_of_a_prompt_too_long(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    rows = [{"question": "short", "answer": "1"}, {"question": "x" * 50, "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stream = PromptStream("gsm8k", 0, records=load_records(str(path)))
+    check_prompts_fit(stream, _bytes, 11, 60, 1, str(path))  # the long record is checked even if not drawn first
+    with pytest.raises(ValueError, match=f"rl.max_new_tokens: the longest prompt of rl.dataset_path {path} "
+                                         r"\('xxxxx.*\.\.\.'\) has 50 tokens"):
+        check_prompts_fit(stream, _bytes, 12, 60, 1, str(path))

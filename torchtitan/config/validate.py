@@ -415,11 +415,18 @@ def _check_rl(cfg: JobConfig) -> None:
             if getattr(rl, key) != getattr(default, key):
                 _err(f"rl.{key}: set, but rl.enable is false (RL runs through python -m torchtitan.rl.train)")
         return
+    # RL trains with data parallelism and tensor parallel (docs/rl.md); its update is one forward of whole sequences
+    # per rank, and nothing else is built or tested for it.
     p = cfg.parallelism
-    if max(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree,
-           p.expert_parallel_degree) > 1:
-        _err("rl.enable: RL supports data parallelism only (FSDP, HSDP, DDP); set the tensor, pipeline, context "
-             "and expert parallel degrees to 1")
+    if p.pipeline_parallel_degree > 1:
+        _err(f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: RL has no pipeline schedule; use "
+             "FSDP and tensor parallel")
+    if p.context_parallel_degree > 1:
+        _err(f"parallelism.context_parallel_degree={p.context_parallel_degree}: RL does not split sequences; use "
+             "FSDP and tensor parallel")
+    if p.expert_parallel_degree > 1:
+        _err(f"parallelism.expert_parallel_degree={p.expert_parallel_degree}: RL does not support expert parallel "
+             "yet; use FSDP and tensor parallel")
     if rl.group_size < 2:
         _err(f"rl.group_size: must be >= 2 (advantages compare completions of one prompt), got {rl.group_size}")
     _positive("rl.prompts_per_step", rl.prompts_per_step)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 TASKS = ("synthetic", "gsm8k")
 PROMPT = "Question: {question}\nAnswer:"
 """How a question becomes a plain-text prompt (without rl.chat_template)."""
+PREFLIGHT_LIMIT = 20_000
+"""At most this many synthetic prompts are tokenized before step 1 (about 40 us each on CPU)."""
 
 
 def synthetic_record(seed: int, index: int, digits: int = 2, ops: str = "+-") -> dict[str, str]:
@@ -109,3 +112,43 @@ def encode_prompt(tokenizer: Any, question: str, chat_template: str = "") -> lis
 
         return render_generation_prompt(tokenizer, [{"role": "user", "content": question}], chat_template)
     return tokenizer.encode(PROMPT.format(question=question), add_bos=True, add_eos=False)
+
+
+def _synthetic_questions(digits: int, ops: str) -> list[str]:
+    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    return [f"What is {a} {op} {b}?" for op in dict.fromkeys(ops) for a in range(low, high + 1)
+            for b in range(low, high + 1)]
+
+
+def check_prompts_fit(stream: PromptStream, encode: Callable[[str], list[int]], max_new_tokens: int, seq_len: int,
+                      run_prompts: int, source: str) -> None:
+    """ValueError, before step 1, when a prompt of the run plus rl.max_new_tokens does not fit training.seq_len (the
+    model's rotary table; the last sampled token is never an input, so prompt + max_new_tokens - 1 must fit).
+
+    gsm8k: every record of `source` is tokenized. synthetic: the digits bound the questions, so all of them when
+    there are fewer than the run draws (`run_prompts`, the cursor's whole range), else the run's own prompts;
+    beyond PREFLIGHT_LIMIT only the first ones, and `prompt_fits` checks each step's prompts as they come."""
+    if stream.task == "synthetic":
+        space = (10**stream.digits - (10 ** (stream.digits - 1) if stream.digits > 1 else 0)) ** 2
+        if space * len(set(stream.ops)) <= min(run_prompts, PREFLIGHT_LIMIT):
+            questions = _synthetic_questions(stream.digits, stream.ops)
+        else:
+            questions = [stream.record(i)["question"] for i in range(min(run_prompts, PREFLIGHT_LIMIT))]
+        where = f"the synthetic task (rl.synthetic_digits {stream.digits})"
+    else:
+        questions, where = [r["question"] for r in stream.records], f"rl.dataset_path {source}"
+    lengths = {q: len(encode(q)) for q in dict.fromkeys(questions)}
+    longest = max(lengths, key=lengths.__getitem__)
+    problem = prompt_fits(lengths[longest], max_new_tokens, seq_len)
+    if problem:
+        shown = longest if len(longest) <= 40 else longest[:40] + "..."
+        raise ValueError(f"rl.max_new_tokens: the longest prompt of {where} ({shown!r}) {problem}")
+
+
+def prompt_fits(prompt_tokens: int, max_new_tokens: int, seq_len: int) -> str:
+    """'' when a prompt of `prompt_tokens` and its completion fit training.seq_len, else what is wrong."""
+    if prompt_tokens + max_new_tokens - 1 <= seq_len:
+        return ""
+    return (f"has {prompt_tokens} tokens: + rl.max_new_tokens {max_new_tokens} - 1 (the last token is never an input) "
+            f"= {prompt_tokens + max_new_tokens - 1} positions exceed training.seq_len {seq_len}; raise "
+            "training.seq_len or lower rl.max_new_tokens")

@@ -1,11 +1,13 @@
 """GRPO post-training: prompts -> G completions each -> rewards -> advantages -> buffer -> policy update -> weights
 to the generator. `GRPOTrainer.step` is the whole algorithm on one screen; the rest is set-up and helpers.
 
-Layout: data parallelism (FSDP, HSDP, DDP) through the trainer's own model building (build_model_parts). Every rank
-draws the same prompts, generates its share of the groups (prompt i on data-parallel rank i % dp) with its whole
-model copy, scores them, and all ranks exchange the scored groups, so the replay buffer is replicated exactly.
-The sampled training groups are then split over the ranks; each divides its loss sum by the global count of
-tokens (or sequences) and FSDP sums the gradients, which equal the one-process gradient.
+Layout: data parallelism (FSDP, HSDP, DDP) and tensor parallel (with FSDP too) through the trainer's own model
+building (build_model_parts). Every rank draws the same prompts, generates its share of the groups (prompt i on
+rank i % world: the generator is a whole model copy on every rank, so tp ranks generate too) with that copy, scores
+them, and all ranks exchange the scored groups, so the replay buffer is replicated exactly. The sampled training
+groups are then split over the data-parallel ranks (the tp ranks of one dp index train on the same samples); each
+divides its loss sum by the global count of tokens (or sequences) and FSDP sums the gradients, which equal the
+one-process gradient. Under loss parallel the logits stay sharded on the vocabulary (loss.token_logprobs).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from torchtitan.config.preflight import checked_tokenizer
 from torchtitan.config.resolve import Resolved
 from torchtitan.data.tokenizer import default_cache_dir
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.tensor_parallel import loss_parallel_context
 from torchtitan.models.registry import get_model_spec
 from torchtitan.rl.buffer import Group, ReplayBuffer
-from torchtitan.rl.data import PromptStream, encode_prompt, load_records
+from torchtitan.rl.data import PromptStream, check_prompts_fit, encode_prompt, load_records, prompt_fits
 from torchtitan.rl.generator import LocalGenerator, SamplingParams, full_state_dict
-from torchtitan.rl.loss import group_advantages, grpo_loss, stat_means, token_entropy
+from torchtitan.rl.loss import group_advantages, grpo_loss, stat_means, token_logprobs
 from torchtitan.rl.rewards import RewardSet, exact_answer
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import logger
@@ -75,10 +78,21 @@ class GRPOTrainer:
         pdims.build_mesh(device.type)
         self.dp_mesh = pdims.mesh("dp")
         self.dp_rank, self.dp_size = self.dp_mesh.get_local_rank(), self.dp_mesh.size()
+        self.world = pdims.world_size
+        # Sequence parallel shards the packed batch's sequence over tp: pad its length to a multiple of tp.
+        self.tp = pdims.tp
+        self.loss_parallel = pdims.loss_parallel_enabled(cfg.parallelism.disable_loss_parallel)
         self.seed = 0 if cfg.debug.seed is None else cfg.debug.seed
         dist_utils.set_determinism(self.seed, cfg.debug.deterministic)
         spec, model_args = get_model_spec(cfg.model.name), model_args_for(cfg)
         self.tokenizer = checked_tokenizer(cfg, model_args.vocab_size)
+        rl = self.rl
+        records = None if rl.task == "synthetic" else load_records(
+            rl.dataset_path, rl.dataset_split, rl.dataset_config, str(default_cache_dir() / "datasets"))
+        data = PromptStream(rl.task, self.seed, records=records, digits=rl.synthetic_digits, ops=rl.synthetic_ops)
+        # Before building anything: a prompt that cannot fit would otherwise fail in the middle of a run.
+        check_prompts_fit(data, lambda q: encode_prompt(self.tokenizer, q, rl.chat_template), rl.max_new_tokens,
+                          cfg.training.seq_len, cfg.training.steps * rl.prompts_per_step, rl.dataset_path)
         param_dtype = device_tools.training_param_dtype(cfg.training.mixed_precision_param, device.type)
 
         self.model_parts = build_model_parts(cfg, pdims, None, param_dtype, model_args)
@@ -91,10 +105,6 @@ class GRPOTrainer:
         # The KL anchor is the policy the run started from: rebuilt the same way on resume, never saved.
         self.reference = self._reference(spec, model_args, dtype) if self.rl.kl_coeff > 0 else None
 
-        rl = self.rl
-        records = None if rl.task == "synthetic" else load_records(
-            rl.dataset_path, rl.dataset_split, rl.dataset_config, str(default_cache_dir() / "datasets"))
-        data = PromptStream(rl.task, self.seed, records=records, digits=rl.synthetic_digits, ops=rl.synthetic_ops)
         buffer = ReplayBuffer(rl.buffer_sampling, rl.buffer_capacity, rl.buffer_max_lag, rl.drop_zero_variance,
                               seed=self.seed)
         self.state = RLState(data, buffer)
@@ -116,15 +126,18 @@ class GRPOTrainer:
                                      save_tb_folder=cfg.metrics.save_tb_folder, enable_wandb=cfg.metrics.enable_wandb,
                                      save_for_all_ranks=cfg.metrics.save_for_all_ranks, run_config=to_dict(cfg),
                                      resumed_after=self.train_state.step)
-        logger.info(f"GRPO: {cfg.model.name}/{cfg.model.flavor}, {self.dp_size} data-parallel rank(s), "
+        logger.info(f"GRPO: {cfg.model.name}/{cfg.model.flavor}, {self.dp_size} data-parallel x {self.tp} tp rank(s), "
                     f"{rl.prompts_per_step} prompts x G={rl.group_size} per step, task {rl.task}")
 
     # ------------------------------------------------------------------ the algorithm
     def step(self, step: int) -> dict[str, float]:
         t, rl, state = Timer(), self.rl, self.state
         with t("generate"):
-            prompts = state.data.take(rl.prompts_per_step)[self.dp_rank::self.dp_size]  # this rank's share
+            prompts = state.data.take(rl.prompts_per_step)[self.rank::self.world]  # this rank's share
             ids = [encode_prompt(self.tokenizer, rec["question"], rl.chat_template) for _, rec in prompts]
+            for (index, _), prompt in zip(prompts, ids, strict=True):  # what the pre-flight check did not cover
+                if problem := prompt_fits(len(prompt), rl.max_new_tokens, self.cfg.training.seq_len):
+                    raise ValueError(f"rl.max_new_tokens: prompt {index} {problem}")
             seeds = [self.seed * 1_000_003 + index for index, _ in prompts]  # per prompt: layout-independent
             completions = self.generator.generate(ids, self.sampling, seeds)
         with t("score"):
@@ -150,9 +163,9 @@ class GRPOTrainer:
                                 logprobs=[c.logprobs for c in outs], rewards=rewards, advantages=advantages,
                                 correct=[exact_answer(text, rec["answer"]) for text in texts],
                                 version=self.state.version))
-        if self.dp_size > 1:
-            gathered: list[Any] = [None] * self.dp_size
-            dist.all_gather_object(gathered, groups, group=self.dp_mesh.get_group())
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, groups)
             groups = [g for part in gathered for g in part]
         return sorted(groups, key=lambda g: g.index)
 
@@ -162,24 +175,24 @@ class GRPOTrainer:
         # Normalisers over the whole batch (every rank holds it), so the ranks' gradients sum to one process's.
         total_tokens = sum(len(c) for _, c, _, _ in samples)
         normalizer = total_tokens if self.rl.loss_aggregation == "token" else len(samples)
-        length = max(len(p) + len(c) - 1 for p, c, _, _ in samples)
+        length = -(-max(len(p) + len(c) - 1 for p, c, _, _ in samples) // self.tp) * self.tp
         tokens, targets, mask, behaviour, adv = pack(samples[self.dp_rank::self.dp_size], length, self.device)
         model = self.model_parts[0]
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast:
-            logits = model(tokens).float()
-        logp = logits.log_softmax(dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        with torch.no_grad():
-            entropy = token_entropy(logits)
+        # Loss parallel's vocab-sharded log-softmax needs its context in the forward and the backward.
+        with loss_parallel_context(self.loss_parallel):
+            with self.autocast:
+                logits = model(tokens)
+            logp, entropy = token_logprobs(logits, targets, entropy=True)
             ref_logp = None
             if self.reference is not None:
-                ref_logits = self.reference(tokens).float()
-                ref_logp = ref_logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=self.rl.clip_low, clip_high=self.rl.clip_high,
-                                kl_coeff=self.rl.kl_coeff, ref_logp=ref_logp, aggregation=self.rl.loss_aggregation,
-                                normalizer=normalizer, entropy=entropy)
-        loss.backward()
+                with torch.no_grad():
+                    ref_logp = token_logprobs(self.reference(tokens), targets)[0]
+            loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=self.rl.clip_low,
+                                    clip_high=self.rl.clip_high, kl_coeff=self.rl.kl_coeff, ref_logp=ref_logp,
+                                    aggregation=self.rl.loss_aggregation, normalizer=normalizer, entropy=entropy)
+            loss.backward()
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         grad_norm = dist_utils.total_grad_norm(params)
         dist_utils.clip_grads_(params, self.cfg.training.max_norm, grad_norm)
@@ -229,8 +242,11 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ set-up helpers
     def _global_max(self, seconds: float) -> float:
-        # Generation is spread over the ranks: the slowest rank's time is the step's.
-        return float(dist_utils.all_reduce(torch.tensor(seconds, device=self.device), self.dp_mesh, "max"))
+        # Generation is spread over all ranks: the slowest rank's time is the step's.
+        value = torch.tensor(seconds, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value)
 
     def _whole_model(self, spec, model_args, dtype: torch.dtype) -> torch.nn.Module:
         with torch.device("meta"):

@@ -17,6 +17,8 @@ sum by the *global* count (tokens or sequences), so summed gradients equal the o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 AGGREGATIONS = ("token", "sequence")
 
@@ -37,10 +39,26 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """[.., vocab] logits -> [..] entropy of the softmax, in nats (no gradient is needed for the metric)."""
-    logp = logits.float().log_softmax(dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T, vocab] logits and [B, T] targets -> ([B, T] log-probability of each target, differentiable; [B, T]
+    entropy of the softmax in nats, without gradient (a metric), or None). The logits are a plain tensor, or under
+    tensor parallel's loss parallel a DTensor sharded on the vocabulary: then the caller must hold torch's
+    loss_parallel() context (forward and backward), whose vocab-sharded log-softmax and nll_loss reduce max and
+    sum-exp over the tp ranks, so the [B, T, vocab] logits are never gathered and every tp rank gets the same
+    (replicated) values."""
+    batch, length = targets.shape
+    # -cross_entropy(reduction="none") is log_softmax + a gather of the targets: the one form loss parallel shards.
+    logp = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    if isinstance(logp, DTensor):
+        logp = logp.to_local()  # replicated over tp: its backward hands each rank the same gradient, not a sum
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            lsm = logits.float().log_softmax(dim=-1)
+            ent = -(lsm.exp() * lsm).sum(dim=-1)  # vocab-sharded: partial sums over tp
+            ent = ent.full_tensor() if isinstance(ent, DTensor) else ent
+    return logp.view(batch, length), ent
 
 
 def grpo_loss(
