@@ -746,10 +746,12 @@ def test_boundary_values_are_accepted(argv):
 
 
 def _checked_keys_in_validate() -> set[str]:
-    """Keys named by literal first arguments of the check helpers in validate.py."""
-    tree = ast.parse(Path(validate.__file__).read_text())
+    """Keys named by literal first arguments of the check helpers in validate.py and validate_finetune.py."""
+    from torchtitan.config import validate_finetune
+
+    trees = [ast.parse(Path(module.__file__).read_text()) for module in (validate, validate_finetune)]
     keys: set[str] = set()
-    for node in ast.walk(tree):
+    for node in (n for tree in trees for n in ast.walk(tree)):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
         if node.func.id not in ("_err", "_one_of", "_positive", "_not_yet") or not node.args:
@@ -772,7 +774,7 @@ def test_every_validate_check_is_covered():
     found = _checked_keys_in_validate()
     assert len(found) > 30, found  # the scan itself works
     missing = found - covered
-    assert not missing, f"validate.py checks without a test: {sorted(missing)}"
+    assert not missing, f"validate.py / validate_finetune.py checks without a test: {sorted(missing)}"
 
 
 def test_check_values_runs_on_every_field_type_without_mutating_valid_config():
