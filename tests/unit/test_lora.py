@@ -193,7 +193,7 @@ def _trained_model():
     return parts, args
 
 
-def test_merged_export_and_peft_adapters_give_our_logits(tmp_path):
+def test_merged_export_and_peft_adapters_give_our_logits_and_gradients(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from torchtitan.components.hf_io import save_hf
@@ -225,6 +225,32 @@ def test_merged_export_and_peft_adapters_give_our_logits(tmp_path):
     hf_merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(hf_merged(tokens).logits, ours, rtol=1e-4, atol=1e-4)
+
+    # Gradients: PEFT's LoRA on transformers' model against ours, for the same loss, every A and B (ours mapped to
+    # PEFT's names and row order by the export itself).
+    labels = _batch(args.vocab_size)["labels"]
+    trainable = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32), peft_dir,
+        is_trainable=True)
+    logits = trainable(tokens).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    model.zero_grad(set_to_none=True)
+    model(tokens, labels=labels).backward()
+    adapters = lora_export.adapter_tensors(parts)
+    values = {name: (m.lora_a.detach().clone(), m.lora_b.detach().clone()) for name, (_, _, m) in adapters.items()}
+    with torch.no_grad():  # the export's mapping applied to the gradients: put them where the adapters are
+        for _, _, m in adapters.values():
+            m.lora_a.copy_(m.lora_a.grad)
+            m.lora_b.copy_(m.lora_b.grad)
+        ours_mapped = {k: v.clone() for k, v in lora_export.peft_state(parts, args, model="llama3")[0].items()}
+        for name, (a, b) in values.items():
+            adapters[name][2].lora_a.copy_(a)
+            adapters[name][2].lora_b.copy_(b)
+    theirs = {n.replace(".default.weight", ".weight"): p.grad for n, p in trainable.named_parameters()
+              if "lora_" in n}
+    assert theirs.keys() == ours_mapped.keys() and len(theirs) == 2 * 28  # A and B of 28 layers
+    for name, grad in ours_mapped.items():
+        torch.testing.assert_close(theirs[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # --------------------------------------------------------------------------- memory estimator
