@@ -216,7 +216,7 @@ def hf_to_dcp(ns: argparse.Namespace) -> None:
         _, args = _model_args(ns.model, ns.flavor)
     # With args, config.json must match the flavor; with neither, the model is the one that reads config.json.
     adapter, args = hf_io.resolve_folder(Path(ns.src), args, ns.model)
-    name = ns.model or next(n for n, spec in hf_io._registered() if spec.state_dict_adapter is adapter)
+    name = ns.model or hf_io.model_name_of(adapter)
     out = Path(ns.out)
     if out.exists():
         raise ConvertError(f"{out}: already exists; remove it or pick another folder")

@@ -51,15 +51,6 @@ class GenerateError(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def _spec_of_adapter(adapter: type):
-    from torchtitan.models.registry import get_model_spec, model_names
-
-    for name in model_names():
-        if get_model_spec(name).state_dict_adapter is adapter:
-            return get_model_spec(name)
-    raise GenerateError(f"no registered model uses the adapter {adapter.__name__}")
-
-
 def _read_checkpoint(ns: argparse.Namespace) -> tuple[object, object, dict[str, torch.Tensor]]:
     """(model spec, model args, our state dict) of the checkpoint folder."""
     from torchtitan.components import hf_io
@@ -69,7 +60,7 @@ def _read_checkpoint(ns: argparse.Namespace) -> tuple[object, object, dict[str, 
     if (path / hf_io.CONFIG_NAME).is_file():
         adapter, args = hf_io.resolve_folder(path, None, ns.model)
         state, args = hf_io.load_hf(path, args, model=adapter)
-        return _spec_of_adapter(adapter), args, state
+        return get_model_spec(hf_io.model_name_of(adapter)), args, state
     from torchtitan.components import checkpoint_io as cio
 
     if not (path / cio.METADATA).is_file():

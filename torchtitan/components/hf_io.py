@@ -119,6 +119,14 @@ def _registered() -> list[tuple[str, Any]]:
     return [(name, spec) for name, spec in specs if spec.state_dict_adapter is not None]
 
 
+def model_name_of(adapter: type) -> str:
+    """The registered model name whose state-dict adapter is `adapter` (the inverse of adapter_for)."""
+    for name, spec in _registered():
+        if spec.state_dict_adapter is adapter:
+            return name
+    raise ValueError(f"no registered model uses the adapter {adapter.__name__}")
+
+
 def adapter_for(model: str | type | None = None, model_args: Any = None) -> type:
     """The state-dict adapter class for `model`: a registered model name (`cfg.model.name`) or an adapter class,
     returned as is. With model=None, that of the registered model whose flavors have `model_args`' type."""
