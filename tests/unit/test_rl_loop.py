@@ -3,13 +3,13 @@ advantages, an exact resume, and FSDP, TP and FSDP x TP runs equal to one proces
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
 from tests.unit.forked import run_ranks
-from torchtitan.rl.loop import dump_folder_metrics
 from torchtitan.rl.loss import group_advantages
 
 ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--training.steps", "4",
@@ -19,6 +19,12 @@ ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--tra
         "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
 # Timings and throughputs differ run to run; everything else must not.
 NOISY = ("time/", "gen_tps", "train_tps")
+
+
+def dump_folder_metrics(dump_folder: str | Path) -> list[dict]:
+    """The metrics.jsonl lines of a run."""
+    path = Path(dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _train(rank: int, dump: str, extra: list[str], until: int | None, check: bool):

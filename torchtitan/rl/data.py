@@ -27,10 +27,15 @@ PREFLIGHT_LIMIT = 20_000
 """At most this many synthetic prompts are tokenized before step 1 (about 40 us each on CPU)."""
 
 
+def _operands(digits: int) -> range:
+    """The operands of `digits` digits (one digit: 0 .. 9)."""
+    return range(10 ** (digits - 1) if digits > 1 else 0, 10**digits)
+
+
 def synthetic_record(seed: int, index: int, digits: int = 2, ops: str = "+-") -> dict[str, str]:
     """The index-th arithmetic question of the stream `seed` (operands of `digits` digits, operators from `ops`)."""
     rng = random.Random(seed * 1_000_003 + index)
-    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+    low, high = _operands(digits)[0], _operands(digits)[-1]
     a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     return {"question": f"What is {a} {op} {b}?", "answer": str(value)}
@@ -115,9 +120,7 @@ def encode_prompt(tokenizer: Any, question: str, chat_template: str = "") -> lis
 
 
 def _synthetic_questions(digits: int, ops: str) -> list[str]:
-    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
-    return [f"What is {a} {op} {b}?" for op in dict.fromkeys(ops) for a in range(low, high + 1)
-            for b in range(low, high + 1)]
+    return [f"What is {a} {op} {b}?" for op in dict.fromkeys(ops) for a in _operands(digits) for b in _operands(digits)]
 
 
 def check_prompts_fit(stream: PromptStream, encode: Callable[[str], list[int]], max_new_tokens: int, seq_len: int,
@@ -129,7 +132,7 @@ def check_prompts_fit(stream: PromptStream, encode: Callable[[str], list[int]], 
     there are fewer than the run draws (`run_prompts`, the cursor's whole range), else the run's own prompts;
     beyond PREFLIGHT_LIMIT only the first ones, and `prompt_fits` checks each step's prompts as they come."""
     if stream.task == "synthetic":
-        space = (10**stream.digits - (10 ** (stream.digits - 1) if stream.digits > 1 else 0)) ** 2
+        space = len(_operands(stream.digits)) ** 2
         if space * len(set(stream.ops)) <= min(run_prompts, PREFLIGHT_LIMIT):
             questions = _synthetic_questions(stream.digits, stream.ops)
         else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -293,11 +292,3 @@ def pack(samples: list, length: int, device: torch.device):
         behaviour[i, start:start + len(completion)] = torch.tensor(logprobs)
         adv[i] = advantage
     return tokens.to(device), targets.to(device), mask.to(device), behaviour.to(device), adv.to(device)
-
-
-def dump_folder_metrics(dump_folder: str | Path) -> list[dict]:
-    """The metrics.jsonl lines of a run (tests and scripts)."""
-    import json
-
-    path = Path(dump_folder) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
