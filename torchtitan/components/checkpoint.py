@@ -162,10 +162,10 @@ class CheckpointManager:
             # A base model's checkpoint has no LoRA adapters: they keep their initial values (B = 0). A trainable-only
             # one has nothing else: the base weights were loaded from initial_load_path just before.
             prefix = "" if flat_model else "model."
-            some = info.get("trainable_only", False)
+            trainable_only = info.get("trainable_only", False)
             whole = len(msd)
             msd = {k: v for k, v in msd.items()
-                   if (not some and not lora_export.is_adapter(k)) or prefix + k in md.state_dict_metadata}
+                   if (not trainable_only and not lora_export.is_adapter(k)) or prefix + k in md.state_dict_metadata}
             # the names left out on purpose keep their values (set_model_state_dict is strict otherwise)
             partial = StateDictOptions(strict=False) if len(msd) < whole else None
             if flat_model:

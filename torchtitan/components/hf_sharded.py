@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.components import hf_io, hf_tokenizer
+from torchtitan.components.quantization import lora
 from torchtitan.components.safetensors_slices import Entry, Reader, create_file, plan_file, read_entries, write_rows
 from torchtitan.components.shard_rows import local_2d, local_rows_cols, match_rows, n_rows, row_chunks, shard_index
 from torchtitan.models.hf_common import RowLink
@@ -394,7 +395,7 @@ def _load_own(folder: Path, parts: list[nn.Module], model_args: Any, model: str 
                 _copy_local(t, ours[key])
             elif key in ours and any(other != key and ours.get(other) is ours[key] for other in by_ours):
                 continue  # an alias whose source is filled under its own name
-            elif key.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
+            elif lora.is_adapter(key):
                 continue  # LoRA adapters (quantization/lora.py) keep their initial values: a base model has none
             else:
                 raise KeyError(f"{folder}: nothing in the checkpoint for '{key}'")
