@@ -6,7 +6,9 @@ failure (see docs/architecture.md).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -16,14 +18,13 @@ import torch
 import torch.distributed as dist
 
 from tests.forking import CTX as _CTX
-from tests.forking import free_port
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
+def _worker(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple) -> None:
     code = 1
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         out = fn(rank, *args)
         # Tensors would cross as shared-memory handles that die with this process: send plain lists.
@@ -46,9 +47,11 @@ def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tu
 
 def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) -> list[Any]:
     ctx = _CTX
-    port = free_port()
+    # A file rendezvous, not a TCP port: a port found free here can be taken by another pytest worker's ranks before
+    # rank 0 listens on it (EADDRINUSE, seen on the 2-core CI machine). gloo's own connections take OS-given ports.
+    store = os.path.join(tempfile.mkdtemp(prefix="run_ranks_"), "store")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, store, queue, args)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -62,6 +65,7 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     return [results[r] for r in range(world)]
 
 
