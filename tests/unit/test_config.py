@@ -558,6 +558,12 @@ INVALID_VALUES = [
      "training.truncation"),
     (["--training.dataset_format", "chat", "--training.dataset_mixture", "c.jsonl:1"], "training.dataset_mixture"),
     (["--training.dataset_format", "alpaca"], "training.dataset_path"),
+    # the embedded chat corpus (torchtitan/data/stdlib_chat.py): chat messages, so only for chat data
+    (["--training.dataset", "python_stdlib_chat"], "training.dataset"),
+    (["--validation.dataset", "python_stdlib_chat_val"], "validation.dataset"),
+    (["--training.dataset_format", "alpaca", "--training.dataset", "python_stdlib_chat"], "training.dataset_format"),
+    (["--training.dataset_format", "chat", "--training.dataset", "python_stdlib_chat", "--validation.enable", "true"],
+     "validation.dataset_path"),
     (["--training.dataset_format", "chat", "--training.dataset_path", "c.jsonl", "--training.dataset_text_column",
       "body"], "training.dataset_text_column"),
     (["--training.dataset_format", "auto", "--training.dataset_path", "c.jsonl", "--training.sft_packing", "pack"],

@@ -280,7 +280,7 @@ def test_default_tokenizer(tok: Tokenizer, builds: Builds) -> None:
     assert isinstance(tok, Tokenizer) and isinstance(tok, BaseTokenizer)
     assert tok.vocab_size == 8192
     assert tok.bos_id != tok.eos_id
-    name = f"python_stdlib-bpe8192-{corpus_fingerprint('python_stdlib')}.json"
+    name = f"python_stdlib-bpe8192-s2-{corpus_fingerprint('python_stdlib')}.json"
     assert tok.path == builds.cache_a / "tokenizers" / name
     print(f"default tokenizer trained in {builds.seconds:.1f}s")
     for text in TEXTS:

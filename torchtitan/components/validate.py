@@ -76,7 +76,7 @@ class Validator:
 
     def _chat_loader(self, cfg: JobConfig, tokenizer, cache_dir: str | None):
         t, v = cfg.training, cfg.validation
-        chat = SimpleNamespace(dataset_path=v.dataset_path, dataset_format=t.dataset_format,
+        chat = SimpleNamespace(dataset=v.dataset, dataset_path=v.dataset_path, dataset_format=t.dataset_format,
                                chat_template=t.chat_template, train_on=t.train_on, sft_packing=t.sft_packing,
                                truncation=t.truncation)
         return build_sft_dataloader(

@@ -72,7 +72,7 @@ class LRScheduler:
 @dataclass
 class Training:
     dataset: str = "python_stdlib"
-    """Dataset name from the registry (python_stdlib = the embedded default corpus)"""
+    """Dataset name from the registry (python_stdlib = the embedded default corpus; python_stdlib_chat for chat)"""
     dataset_path: str = ""
     """Local file, folder or glob (json/jsonl/parquet/txt), hub dataset, or pre-tokenized folder; empty = registry"""
     dataset_mixture: list[str] = field(default_factory=list)
@@ -251,7 +251,7 @@ class Validation:
     enable: bool = False
     """Compute validation loss and perplexity every `freq` steps"""
     dataset: str = "python_stdlib_val"
-    """Validation dataset name from the registry"""
+    """Validation dataset name from the registry (python_stdlib_chat_val: held-out conversations for chat data)"""
     dataset_path: str = ""
     """Local path or hub name for validation data (same formats as training.dataset_path)"""
     dataset_split: str = "train"

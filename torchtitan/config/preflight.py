@@ -88,11 +88,12 @@ def check_inputs(cfg: JobConfig) -> None:
         path, name = section.dataset_path, section.dataset
         if (path and not is_local_path(path, prefix)) or (not path and DATASETS.get(name) is not None):
             continue
-        if chat and prefix == "training":
+        if chat:  # validation's conversations are read in training's format
             from torchtitan.data.chat_source import build_chat_source
 
-            build_chat_source(dataset_path=path, dataset_format=section.dataset_format, split=section.dataset_split,
-                              streaming=section.dataset_streaming, cache_dir=str(default_cache_dir() / "datasets"))
+            build_chat_source(dataset_path=path, dataset_format=cfg.training.dataset_format,
+                              split=section.dataset_split, streaming=section.dataset_streaming,
+                              cache_dir=str(default_cache_dir() / "datasets"), key_prefix=prefix, dataset=name)
             continue
         build_document_source(dataset=name, dataset_path=path, text_column=section.dataset_text_column,
                               split=section.dataset_split, streaming=section.dataset_streaming,

@@ -8,6 +8,7 @@ import dataclasses
 
 from torchtitan.config.checks import _err, _one_of, _positive
 from torchtitan.config.job_config import JobConfig
+from torchtitan.data.stdlib_chat import CHAT_DATASETS
 
 
 def check_chat_data(cfg: JobConfig) -> None:
@@ -20,6 +21,9 @@ def check_chat_data(cfg: JobConfig) -> None:
             if getattr(t, key) != getattr(defaults, key):
                 _err(f"training.{key}: only read for chat data (training.dataset_format chat, prompt_response, "
                      f"alpaca or auto), and dataset_format is text")
+        for key, name in (("training.dataset", t.dataset), ("validation.dataset", cfg.validation.dataset)):
+            if name in CHAT_DATASETS:
+                _err(f"{key}: {name} holds conversations; set training.dataset_format = chat")
         return
     fmt = t.dataset_format
     builtin = ("auto", "tokenizer", "llama3", "chatml", "deepseek_v3")
@@ -30,16 +34,19 @@ def check_chat_data(cfg: JobConfig) -> None:
     _one_of("training.truncation", t.truncation, ("truncate", "drop"))
     if t.dataset_mixture:
         _err(f"training.dataset_mixture: mixtures are of text data; dataset_format {fmt} reads training.dataset_path")
-    if not t.dataset_path:
+    if not t.dataset_path and t.dataset not in CHAT_DATASETS:
         _err(f"training.dataset_path: dataset_format {fmt} reads conversations from local json/jsonl/parquet files "
-             "or a hub dataset; the registry datasets are text")
+             f"or a hub dataset (or training.dataset = {CHAT_DATASETS[0]}); the other registry datasets are text")
+    if not t.dataset_path and fmt not in ("chat", "auto"):
+        _err(f"training.dataset_format: {t.dataset} holds chat messages, not {fmt} records; set it to chat")
     if t.dataset_text_column != defaults.dataset_text_column:
         _err(f"training.dataset_text_column: not read with dataset_format {fmt} (its records have fixed fields: "
              "docs/finetuning.md)")
     v = cfg.validation
-    if v.enable and not v.dataset_path:
+    if v.enable and not v.dataset_path and v.dataset not in CHAT_DATASETS:
         _err(f"validation.dataset_path: with dataset_format {fmt}, validation reads held-out conversations of the "
-             "same format from local files or a hub dataset; the registry datasets are text")
+             f"same format from local files or a hub dataset (or validation.dataset = {CHAT_DATASETS[1]}); the other "
+             "registry datasets are text")
     if v.enable and v.dataset_text_column != JobConfig().validation.dataset_text_column:
         _err(f"validation.dataset_text_column: not read with dataset_format {fmt} (conversations have fixed fields)")
     if t.sft_packing == "pack" and cfg.model.attn_mask_type != "block_causal":

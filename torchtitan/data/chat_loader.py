@@ -281,7 +281,8 @@ def build_sft_dataloader(training: Any, source_args: dict[str, Any], loader_args
     source_args and loader_args, as for text data; the text column is not used)."""
     source = build_chat_source(dataset_path=training.dataset_path, dataset_format=training.dataset_format,
                                split=source_args["split"], streaming=source_args["streaming"],
-                               cache_dir=source_args.get("cache_dir"), key_prefix=key_prefix)
+                               cache_dir=source_args.get("cache_dir"), key_prefix=key_prefix,
+                               dataset=training.dataset)
     args = dict(loader_args)
     encoder = ChatEncoder(args.pop("tokenizer"), training.chat_template, training.train_on,
                           key=f"{key_prefix}.chat_template")

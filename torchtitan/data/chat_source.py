@@ -28,6 +28,7 @@ from typing import Any
 from torchtitan.data import hf_sources
 from torchtitan.data.chat import normalize_messages
 from torchtitan.data.source import DocumentSource
+from torchtitan.data.stdlib_chat import CHAT_DATASETS, StdlibChatSource, stdlib_chat_source
 from torchtitan.tools.logging import logger
 
 __all__ = ["FORMATS", "ChatSource", "build_chat_source", "to_messages"]
@@ -150,13 +151,22 @@ def _column_names(ds: Any, where: str, p: str) -> list[str]:
 
 
 def build_chat_source(*, dataset_path: str, dataset_format: str, split: str = "train", streaming: str = "auto",
-                      cache_dir: str | None = None, key_prefix: str = "training") -> ChatSource:
+                      cache_dir: str | None = None, key_prefix: str = "training",
+                      dataset: str = "") -> ChatSource | StdlibChatSource:
     """The conversations of `<key_prefix>.dataset_path` in `dataset_format` (chat | prompt_response | alpaca |
     auto), checked down to the first usable record: a missing field in every record, no record usable, a
-    pre-tokenized folder are one-line ValueErrors naming the key."""
+    pre-tokenized folder are one-line ValueErrors naming the key. Without a dataset_path, `dataset` may name the
+    embedded chat corpus (torchtitan/data/stdlib_chat.py)."""
     p = key_prefix
     if dataset_format not in (*FORMATS, "auto"):
         raise ValueError(f"{p}.dataset_format: '{dataset_format}' is not one of {', '.join(FORMATS)}, auto")
+    if not dataset_path and dataset in CHAT_DATASETS:
+        if dataset_format not in ("chat", "auto"):
+            raise ValueError(f"{p}.dataset: {dataset} holds chat messages; set training.dataset_format = chat")
+        embedded = stdlib_chat_source(dataset, p)
+        for _ in embedded.iter_documents(0):
+            return embedded
+        raise ValueError(f"{p}.dataset: '{dataset}' has no usable conversations ({embedded.bad_summary()})")
     if not dataset_path:
         raise ValueError(f"{p}.dataset_path: dataset_format {dataset_format} reads conversations from local "
                          "json/jsonl/parquet files or a hub dataset: set dataset_path")

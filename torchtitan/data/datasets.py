@@ -29,7 +29,8 @@ from typing import Any
 from torchtitan.data import hf_sources
 from torchtitan.data.source import DocumentSource
 
-__all__ = ["DATASETS", "HubDataset", "build_document_source", "corpus_fingerprint"]
+__all__ = ["DATASETS", "HubDataset", "build_document_source", "corpus_fingerprint",
+           "stdlib_module_files"]
 
 # Directory names pruned anywhere under the stdlib root. Test suites are excluded because they are
 # full of deliberately odd code (bad encodings, syntax-error fixtures, huge generated literals) and
@@ -104,6 +105,12 @@ def _is_held_out(key: str) -> bool:
 
 def _stdlib_split(held_out: bool) -> tuple[_Source, ...]:
     return tuple(s for s in _stdlib_sources() if _is_held_out(s.key) == held_out)
+
+
+def stdlib_module_files(held_out: bool) -> tuple[_Source, ...]:
+    """The .py files of one split of the corpus (no pydoc topics), in its fixed order: torchtitan/data/stdlib_chat.py
+    makes its conversations from them, so its held-out modules are the text corpus's held-out ones."""
+    return tuple(s for s in _stdlib_split(held_out) if s.path is not None)
 
 
 class _StdlibSource(DocumentSource):

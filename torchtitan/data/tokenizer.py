@@ -38,7 +38,11 @@ DEFAULT_VOCAB_SIZE = 8192  # total, special tokens included
 # The whole corpus is ~12 MB; 10 MB of its (shuffled) documents gives the same merges to within
 # noise while keeping the one-time training at a few seconds on two cores.
 _TRAIN_BYTES = 10_000_000
-_MIN_VOCAB_SIZE = 258  # the 256 byte symbols plus BOS and EOS
+# Llama 3's chat tokens, so that chat data renders with the built-in llama3 template on the default tokenizer (the
+# debug SFT recipes, docs/finetuning.md). Bumping _SPECIALS_VERSION retires tokenizers cached with other specials.
+CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+_SPECIALS_VERSION = 2
+_MIN_VOCAB_SIZE = 256 + 2 + len(CHAT_TOKENS)  # the byte symbols, BOS and EOS, the chat tokens
 
 # Fallback names when no tokenizer_config.json says which tokens are BOS/EOS, in precedence order.
 # GPT-2 style vocabularies only have <|endoftext|>, which then serves as both BOS and EOS. For EOS,
@@ -164,7 +168,7 @@ def _train_bpe(dataset: str, vocab_size: int, max_bytes: int) -> tokenizers.Toke
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        special_tokens=[BOS_TOKEN, EOS_TOKEN, *CHAT_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -175,7 +179,7 @@ def _train_bpe(dataset: str, vocab_size: int, max_bytes: int) -> tokenizers.Toke
 def _build_default(cache_dir: Path, vocab_size: int) -> Tokenizer:
     fingerprint = corpus_fingerprint(DEFAULT_DATASET)
     out_dir = cache_dir / "tokenizers"
-    target = out_dir / f"{DEFAULT_DATASET}-bpe{vocab_size}-{fingerprint}.json"
+    target = out_dir / f"{DEFAULT_DATASET}-bpe{vocab_size}-s{_SPECIALS_VERSION}-{fingerprint}.json"
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         # Ranks on one machine race here: the first to take the lock trains, the others block on
