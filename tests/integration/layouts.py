@@ -299,5 +299,8 @@ LORA_LAYOUTS = [Layout(name, nproc, (*overrides, *LORA), reference="single_proce
     ("lora_pp2_1f1b_full_ac", 2, (*dp(4, 1), *pp("1F1B"), "--activation_checkpoint.mode", "full")),
     # DDP's gradient hook over a model of mostly frozen parameters, with accumulation
     ("lora_ddp2_accum", 2, (*dp(2, 2), *_REPLICATE, "2", "--parallelism.data_parallel_shard_degree", "1")),
+    # HSDP 2x2 with accumulation: frozen weights sharded over dp_shard and replicated without a gradient, the
+    # adapters' gradients reduce-scattered over the shards and all-reduced over the replicas (hsdp2x2_accum's mesh)
+    ("lora_hsdp2x2_accum", 4, (*dp(1, 4), *_REPLICATE, "2")),
 )]
 ALL_LAYOUTS += LORA_LAYOUTS

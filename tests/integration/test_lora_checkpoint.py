@@ -1,5 +1,5 @@
-"""LoRA checkpoints (docs/finetuning.md, LoRA): adapter-only saves resume exactly on top of the base weights, and the
-last step's exports (merged Hugging Face folder, PEFT adapters) hold what the run trained. One process, two runs."""
+"""LoRA checkpoints (docs/finetuning.md, LoRA): adapter-only saves resume exactly on top of the base weights, also in
+another layout, and the last step's exports (merged Hugging Face folder, PEFT adapters) hold what the run trained."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tests.integration.conftest import train_layout
 from tests.integration.layouts import COMMON, LORA, dp
-from tests.integration.parity import assert_continues_bitwise
+from tests.integration.parity import assert_continues_bitwise, compare, from_step
 from torchtitan.components.quantization.lora import is_adapter
 
 pytestmark = pytest.mark.slow
@@ -97,3 +97,27 @@ def test_adapter_only_checkpoint_resumes_exactly_and_exports_match(pools, tmp_pa
                                                                      torch_dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(with_adapters(tokens).logits, merged_model(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_only_checkpoint_resumes_in_another_layout(pools, tmp_path):
+    """An adapter-only checkpoint saved under FSDP 2 (every adapter and its optimizer state sharded on rows) resumes
+    under TP 2 (a column-wise base keeps A whole and shards B, a row-wise one shards A and keeps B whole), its base
+    loaded by shard from the Hugging Face folder first: steps 3 and 4 continue the FSDP run's within the parity
+    tolerances, every tensor compared (the frozen ones against the FSDP run's, which loaded the same base)."""
+    base = tmp_path / "base"
+    _base_hf(base)
+    args = (*LORA, "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(SAVED),
+            "--checkpoint.keep_latest_k", "0", "--checkpoint.initial_load_path", str(base),
+            "--checkpoint.initial_load_in_hf", "--lora.save_adapter_only", "true")
+    straight = train_layout(pools, 2, (*args, *dp(4, 2)), tmp_path / "fsdp2")
+    saved = tmp_path / "fsdp2" / "checkpoint" / f"step-{SAVED}"
+    assert json.loads((saved / ".complete").read_text())["trainable_only"]
+
+    resumed_dir = tmp_path / "tp2"
+    (resumed_dir / "checkpoint").mkdir(parents=True)
+    shutil.copytree(saved, resumed_dir / "checkpoint" / saved.name)
+    resumed = train_layout(pools, 2, (*args, *dp(8, 1), "--parallelism.tensor_parallel_degree", "2"), resumed_dir)
+    assert [m["step"] for m in resumed["metrics"]] == list(range(SAVED + 1, STEPS + 1)), "must resume after step 2"
+    expected = {**from_step(straight, SAVED + 1), "frozen": straight["frozen"]}
+    problems = compare(resumed, expected)
+    assert not problems, problems[:5]
