@@ -92,3 +92,71 @@ def test_none_is_a_no_op():
     model = _model()
     assert apply_ac(model, "none", "2") is model
     assert not any("CheckpointWrapper" in type(b).__name__ for b in model.layers.values())
+
+
+# --------------------------------------------------------------------------- LoRA under activation checkpointing
+
+
+def _lora_model(dropout: float) -> Transformer:
+    from types import SimpleNamespace
+
+    from torchtitan.components.quantization import lora
+
+    model = _model()
+    cfg = SimpleNamespace(lora=SimpleNamespace(rank=4, alpha=8.0, dropout=dropout, target_modules=["all-linear"]),
+                          model=SimpleNamespace(name="llama3", flavor="debugmodel"))
+    lora.convert(model, cfg)
+    for m in model.modules():
+        if isinstance(m, lora.LoRALinear):
+            m.init_adapter_weights(lambda p, fill: torch.nn.init.normal_(p, std=0.02))  # B != 0: gradients reach A
+    return model
+
+
+def _adapter_grads(model: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(123)  # the dropout masks of the forward
+    model(tokens).float().logsumexp(-1).mean().backward()
+    return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+@pytest.mark.parametrize(("mode", "option"), [("full", "1"), ("selective", "op"), ("selective", "2")])
+def test_lora_dropout_draws_the_same_mask_when_a_block_is_recomputed(baseline, mode, option):
+    # A recompute that drew fresh dropout masks would give the adapters the gradient of another forward than the
+    # one that made the loss (measured before the fix: lora_a's gradients off by O(1) under full and per-op AC).
+    tokens = baseline[0]
+    reference = _lora_model(dropout=0.5)
+    want = _adapter_grads(copy.deepcopy(reference), tokens)
+    got = _adapter_grads(apply_ac(copy.deepcopy(reference), mode, option), tokens)
+    assert want and set(got) == set(want)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_op_policy_recomputes_the_adapters_wide_products_instead_of_keeping_them(baseline, monkeypatch):
+    # Per-op AC keeps every matmul's output; LoRA's B product ([tokens, r] x [r, out]) is as wide as its base's output
+    # and costs r multiply-adds per element to recompute, so it is recomputed: the peak falls by about those outputs.
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchtitan.distributed import activation_checkpoint
+    from torchtitan.tools.profiling import allocator_peak
+
+    tokens = baseline[0]
+    reference = _lora_model(dropout=0.0)
+
+    def peak(model: Transformer) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model(tokens).float().logsumexp(-1).mean().backward()
+        return allocator_peak(prof)
+
+    with_rule = apply_ac(copy.deepcopy(reference), "selective", "op")
+    monkeypatch.setattr(activation_checkpoint, "_low_ranks", lambda block: frozenset())
+    keeping_all = apply_ac(copy.deepcopy(reference), "selective", "op")
+    args = reference.model_args
+    hidden = reference.layers["0"].feed_forward.w1.out_features
+    kv = args.n_kv_heads * (args.dim // args.n_heads)
+    b_outputs = tokens.numel() * 4 * len(reference.layers) * (2 * args.dim + 2 * kv + 2 * hidden + args.dim)
+    saved = peak(keeping_all) - peak(with_rule)
+    assert 0.9 * b_outputs <= saved <= 1.1 * b_outputs, (saved, b_outputs)
+    want, got = _adapter_grads(keeping_all, tokens), _adapter_grads(with_rule, tokens)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=name)

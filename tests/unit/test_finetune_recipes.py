@@ -114,3 +114,7 @@ def test_lora_frozen_base_has_no_gradient_or_optimizer_state(model, estimates):
         return sum(est.breakdown[k] for k in ("parameters", "gradients", "optimizer_state"))
 
     assert states_at_peak(sft) - states_at_peak(lora) >= (8 * n - 16 * adapters) // WORLD - SCALARS_SLACK
+    # Both run per-op AC, which recomputes the adapters' wide B products (torchtitan/distributed/
+    # activation_checkpoint.py): LoRA's activations stay near SFT's, and its whole peak is lower by at least that.
+    assert sft.peak_bytes - lora.peak_bytes >= (8 * n - 16 * adapters) // WORLD, (sft.peak_bytes / GIB,
+                                                                                 lora.peak_bytes / GIB)

@@ -37,12 +37,37 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
 
-def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - policy signature
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _op_policy(low_ranks: frozenset[int]):
+    """The per-op policy. A matmul that contracts over a LoRA rank (the adapter's B: [tokens, r] x [r, out]) is
+    recomputed: it costs r multiply-adds per output element, next to nothing, while keeping its output would hold a
+    tensor as wide as the base projection's for every adapter (docs/finetuning.md, "What LoRA saves at 8B")."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - policy signature
+        if op not in _SAVE_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if low_ranks and op in _MATMULS:
+            left = args[1] if op is torch.ops.aten.addmm.default else args[0]
+            if left.shape[-1] in low_ranks:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
-def _selective_op_context():
-    return create_selective_checkpoint_contexts(_op_policy)
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def _low_ranks(block: nn.Module) -> frozenset[int]:
+    """The ranks of the LoRA adapters in `block` (lora_a is [r, in_features]), never a base projection's width."""
+    return frozenset(int(m.lora_a.shape[0]) for m in block.modules() if isinstance(getattr(m, "lora_a", None),
+                                                                                 torch.Tensor))
+
+
+def _draws_random_numbers(block: nn.Module) -> bool:
+    # Dropout (LoRA's, lora.dropout) must draw the same mask when the block is recomputed, or the gradient belongs to
+    # another forward than the loss's: the RNG state is then saved and restored around the recompute. Blocks without
+    # randomness skip that cost.
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
 
 
 def apply_ac(model: nn.Module, mode: str, selective_option: str) -> nn.Module:
@@ -52,13 +77,15 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str) -> nn.Module:
     blocks = model.layers
     wrapped = 0
     for i, name in enumerate(list(blocks.keys())):
+        rng = _draws_random_numbers(blocks[name])
         if mode == "full":
-            blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
+            blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=rng)
         elif selective_option == "op":
-            blocks[name] = checkpoint_wrapper(blocks[name], context_fn=_selective_op_context,
-                                              preserve_rng_state=False)
+            policy = _op_policy(_low_ranks(blocks[name]))
+            blocks[name] = checkpoint_wrapper(blocks[name], context_fn=lambda p=policy: (
+                create_selective_checkpoint_contexts(p)), preserve_rng_state=rng)
         elif i % int(selective_option) == 0:
-            blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
+            blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=rng)
         else:
             continue
         wrapped += 1
