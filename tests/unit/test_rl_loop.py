@@ -1,5 +1,6 @@
 """GRPO end to end on a tiny Llama (torchtitan/rl/loop.py): metrics written, the loss consistent with the
-advantages, an exact resume, and FSDP, TP and FSDP x TP runs equal to one process."""
+advantages, an exact resume, FSDP, TP, FSDP x TP and DDP runs equal to one process, and several updates per step
+(PPO epochs and mini-batches), on one process and FSDP."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--tra
         "--rl.group_size", "4", "--rl.prompts_per_step", "4", "--rl.max_new_tokens", "8",
         "--rl.rewards", "tests.unit.rl_rewards:char_variety", "--rl.kl_coeff", "0.05", "--rl.clip_high", "0.28",
         "--lr_scheduler.warmup_steps", "0", "--optimizer.lr", "3e-3", "--debug.seed", "0", "--metrics.log_freq", "1",
-        "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+        "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false",
+        # Each rank's share in uneven micro-batches (16 completions: 5+5+5+1 on one rank, 5+3 on two), each scored
+        # in chunks of positions recomputed in the backward: every layout below runs them.
+        "--rl.micro_batch_size", "5", "--training.loss_chunks", "3"]
 # Timings and throughputs differ run to run; everything else must not.
 NOISY = ("time/", "gen_tps", "train_tps")
 
@@ -104,19 +108,57 @@ def test_resume_continues_identically(straight, tmp_path):
     assert comparable(lines) == comparable(dump_folder_metrics(dump))
 
 
+# 4 drawn groups, 2 per mini-batch, 2 epochs: 4 optimizer updates per step.
+PPO = ["--rl.ppo_epochs", "2", "--rl.mini_batch_size", "2", "--checkpoint.enable", "false"]
+
+
+@pytest.fixture(scope="module")
+def ppo(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("rl_ppo")
+    run(dump, extra=PPO, until=2)
+    return dump
+
+
+def test_ppo_epochs_and_mini_batches(straight, ppo):
+    dump, _ = straight
+    lines, base = dump_folder_metrics(ppo), dump_folder_metrics(dump)[:2]
+    assert [line["updates"] for line in lines] == [4, 4] and [line["updates"] for line in base] == [1, 1]
+    assert [line["policy_version"] for line in lines] == [1, 2]  # the generator syncs once per step
+    assert [line["lr"] for line in lines] == [line["lr"] for line in base]  # the schedule counts RL steps
+    assert lines[0]["reward_mean"] == base[0]["reward_mean"]  # the same rollouts, then other updates
+    assert lines[0]["loss"] != base[0]["loss"]
+    # Averaged over the updates: the first is on-policy (ratio 1), the three after it are not.
+    assert abs(lines[0]["ratio_mean"] - 1.0) > 1e-4 and lines[0]["clip_frac"] > 0
+    assert lines[0]["tokens_seen"] == base[0]["tokens_seen"]  # the drawn response tokens, once
+
+
+def test_ppo_on_fsdp_matches_one_process(ppo, tmp_path):
+    """Each of the 4 updates per step splits its 2 groups (8 completions) over the ranks."""
+    run(tmp_path, world=2, extra=PPO, until=2)
+    assert_same(comparable(dump_folder_metrics(ppo)), comparable(dump_folder_metrics(tmp_path)), 2)
+
+
 TP = ["--parallelism.tensor_parallel_degree", "2", "--checkpoint.enable", "false"]
+# DDP all-reduces the accumulated gradient after each backward: only the last micro-batch may sync.
+DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+       "--checkpoint.enable", "false"]
 
 
-# The TP layouts run 2 of the 4 steps (CI time): step 2 already samples from weights synchronised out of the shards.
-@pytest.mark.parametrize(("world", "extra", "steps"), [(2, [], 4), (2, TP, 2), (4, TP, 2)],
-                         ids=["fsdp2", "tp2", "fsdp2_tp2"])
+# The TP and DDP layouts run 2 of the 4 steps (CI time): step 2 already samples from weights synchronised out of the
+# shards.
+@pytest.mark.parametrize(("world", "extra", "steps"), [(2, [], 4), (2, TP, 2), (4, TP, 2), (2, DDP, 2)],
+                         ids=["fsdp2", "tp2", "fsdp2_tp2", "ddp2"])
 def test_layouts_match_one_process(straight, tmp_path, world, extra, steps):
     """Every layout samples the same completions (per-prompt seeds, weights synchronised from the shards) and
     takes the same update (TP: loss parallel's vocab-sharded log-probabilities of the chosen tokens)."""
     dump, _ = straight
     results = run(tmp_path, world=world, extra=extra, until=steps)
-    assert all(sharded for _, sharded in results)  # FSDP and/or TP: every parameter is a DTensor
-    one, two = comparable(dump_folder_metrics(dump))[:steps], comparable(dump_folder_metrics(tmp_path))
+    # FSDP and/or TP: every parameter is a DTensor; DDP keeps plain replicas
+    assert all(sharded == (extra is not DDP) for _, sharded in results)
+    assert_same(comparable(dump_folder_metrics(dump))[:steps], comparable(dump_folder_metrics(tmp_path)), steps)
+
+
+def assert_same(one: list[dict], two: list[dict], steps: int) -> None:
     assert len(one) == len(two) == steps
     for a, b in zip(one, two, strict=True):
         assert a.keys() == b.keys()

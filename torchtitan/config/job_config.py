@@ -351,7 +351,13 @@ class Rl:
     prompts_per_step: int = 8
     """Prompts drawn and rolled out per step (all ranks together)"""
     train_groups: int = 0
-    """Groups drawn from the buffer for each policy update (0: prompts_per_step)"""
+    """Groups drawn from the buffer for each RL step's policy update (0: prompts_per_step)"""
+    ppo_epochs: int = 1
+    """Passes over each step's drawn groups; each pass makes one optimizer step per mini-batch"""
+    mini_batch_size: int = 0
+    """Groups per optimizer step: the drawn groups make ceil(groups / this) steps per pass (0: one step per pass)"""
+    micro_batch_size: int = 0
+    """Completions per forward/backward on each data-parallel rank, gradients accumulated (0: its whole share)"""
     max_new_tokens: int = 64
     """Tokens generated per completion at most; prompt + max_new_tokens must fit training.seq_len"""
     temperature: float = 1.0

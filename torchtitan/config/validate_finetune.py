@@ -84,8 +84,8 @@ def check_rl(cfg: JobConfig) -> None:
             if getattr(rl, key) != getattr(default, key):
                 _err(f"rl.{key}: set, but rl.enable is false (RL runs through python -m torchtitan.rl.train)")
         return
-    # RL trains with data parallelism and tensor parallel (docs/rl.md); its update is one forward of whole sequences
-    # per rank, and nothing else is built or tested for it.
+    # RL trains with data parallelism and tensor parallel (docs/rl.md); its update runs whole sequences per rank (in
+    # micro-batches), and nothing else is built or tested for it.
     p = cfg.parallelism
     if p.pipeline_parallel_degree > 1:
         _err(f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: RL has no pipeline schedule; use "
@@ -101,6 +101,13 @@ def check_rl(cfg: JobConfig) -> None:
     _positive("rl.prompts_per_step", rl.prompts_per_step)
     if rl.train_groups < 0:
         _err(f"rl.train_groups: must be >= 0 (0: prompts_per_step), got {rl.train_groups}")
+    _positive("rl.ppo_epochs", rl.ppo_epochs)
+    groups = rl.train_groups or rl.prompts_per_step
+    if rl.mini_batch_size < 0 or (rl.mini_batch_size and groups % rl.mini_batch_size):
+        _err(f"rl.mini_batch_size: must be 0 (one optimizer step per pass) or divide the {groups} groups of a step "
+             f"(rl.train_groups, or rl.prompts_per_step), got {rl.mini_batch_size}")
+    if rl.micro_batch_size < 0:
+        _err(f"rl.micro_batch_size: must be >= 0 (0: each rank's whole share at once), got {rl.micro_batch_size}")
     _positive("rl.max_new_tokens", rl.max_new_tokens)
     _positive("rl.temperature", rl.temperature)
     if not 0.0 < rl.top_p <= 1.0:

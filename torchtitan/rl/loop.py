@@ -5,9 +5,10 @@ Layout: data parallelism (FSDP, HSDP, DDP) and tensor parallel (with FSDP too) t
 building (build_model_parts). Every rank draws the same prompts, generates its share of the groups (prompt i on
 rank i % world: the generator is a whole model copy on every rank, so tp ranks generate too) with that copy, scores
 them, and all ranks exchange the scored groups, so the replay buffer is replicated exactly. The sampled training
-groups are then split over the data-parallel ranks (the tp ranks of one dp index train on the same samples); each
-divides its loss sum by the global count of tokens (or sequences) and FSDP sums the gradients, which equal the
-one-process gradient. Under loss parallel the logits stay sharded on the vocabulary (loss.token_logprobs).
+groups are then split over the data-parallel ranks (the tp ranks of one dp index train on the same samples), in
+mini-batches (one optimizer step each) and micro-batches (update.py); each rank divides its loss sum by the update's
+global count of tokens (or sequences) and FSDP sums the gradients, which equal the one-process gradient. Under loss
+parallel the logits stay sharded on the vocabulary (loss.token_logprobs).
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from torchtitan.config.preflight import checked_tokenizer
 from torchtitan.config.resolve import Resolved
 from torchtitan.data.tokenizer import default_cache_dir
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.tensor_parallel import loss_parallel_context
 from torchtitan.models.registry import get_model_spec
 from torchtitan.rl.buffer import Group, ReplayBuffer
 from torchtitan.rl.data import PromptStream, check_prompts_fit, encode_prompt, load_records, prompt_fits
 from torchtitan.rl.generator import LocalGenerator, SamplingParams, full_state_dict
-from torchtitan.rl.loss import group_advantages, grpo_loss, stat_means, token_logprobs
+from torchtitan.rl.loss import group_advantages, stat_means
 from torchtitan.rl.rewards import RewardSet, exact_answer
+from torchtitan.rl.update import LossSettings, logit_chunks, merge_updates, mini_batches, policy_update, samples_of
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import logger
 
@@ -111,6 +112,16 @@ class GRPOTrainer:
         self.sampling = SamplingParams(n=rl.group_size, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                                        top_p=rl.top_p, stop_tokens=self._stop_tokens())
         self.train_groups = rl.train_groups or rl.prompts_per_step
+        self.loss_settings = LossSettings(rl.clip_low, rl.clip_high, rl.kl_coeff, rl.loss_aggregation)
+        # The output projections score a micro-batch's logits in chunks (training.loss_chunks, auto by their size:
+        # update.py); the largest micro-batch holds this many completions of at most seq_len positions.
+        rows = rl.micro_batch_size or -(-(rl.mini_batch_size or self.train_groups) * rl.group_size // self.dp_size)
+        vocab = model_args.vocab_size
+        self.model_parts[0].output.loss_chunks = logit_chunks(cfg.training.loss_chunks, rows * cfg.training.seq_len,
+                                                              vocab // self.tp if self.loss_parallel else vocab)
+        if self.reference is not None:
+            self.reference.output.loss_chunks = logit_chunks(cfg.training.loss_chunks, rows * cfg.training.seq_len,
+                                                             vocab)
 
         self.train_state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -144,7 +155,7 @@ class GRPOTrainer:
         dropped = state.buffer.add(groups)
         batch = state.buffer.sample(self.train_groups, state.version)
         with t("train"):
-            stats = self.update(batch) if batch else None  # one optimizer step with the GRPO loss
+            stats = self.update(batch) if batch else None  # ppo_epochs x mini-batches optimizer steps
         with t("sync"):
             if stats is not None:
                 state.version += 1
@@ -169,41 +180,18 @@ class GRPOTrainer:
         return sorted(groups, key=lambda g: g.index)
 
     def update(self, batch: list[Group]) -> dict[str, Any]:
-        samples = [(g.prompt, c, lp, a) for g in batch
-                   for c, lp, a in zip(g.completions, g.logprobs, g.advantages, strict=True)]
-        # Normalisers over the whole batch (every rank holds it), so the ranks' gradients sum to one process's.
-        total_tokens = sum(len(c) for _, c, _, _ in samples)
-        normalizer = total_tokens if self.rl.loss_aggregation == "token" else len(samples)
-        length = -(-max(len(p) + len(c) - 1 for p, c, _, _ in samples) // self.tp) * self.tp
-        tokens, targets, mask, behaviour, adv = pack(samples[self.dp_rank::self.dp_size], length, self.device)
-        model = self.model_parts[0]
+        """rl.ppo_epochs passes over the drawn groups, one optimizer update per mini-batch (update.py)."""
+        rl = self.rl
         self.step_lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.zero_grad(set_to_none=True)
-        # Loss parallel's vocab-sharded log-softmax needs its context in the forward and the backward.
-        with loss_parallel_context(self.loss_parallel):
-            with self.autocast:
-                logits = model(tokens)
-            logp, entropy = token_logprobs(logits, targets, entropy=True)
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self.reference(tokens), targets)[0]
-            loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=self.rl.clip_low,
-                                    clip_high=self.rl.clip_high, kl_coeff=self.rl.kl_coeff, ref_logp=ref_logp,
-                                    aggregation=self.rl.loss_aggregation, normalizer=normalizer, entropy=entropy)
-            loss.backward()
-        params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
-        grad_norm = dist_utils.total_grad_norm(params)
-        dist_utils.clip_grads_(params, self.cfg.training.max_norm, grad_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()  # the schedule counts updates: a step without one leaves it
-        names = sorted(stats)
-        summed = dist_utils.all_reduce(torch.stack([stats[k] for k in names] + [loss.detach().float()]),
-                                       self.dp_mesh, "sum")
-        out = dict(zip(names, summed[:-1].tolist(), strict=True))
-        out.update(loss=float(summed[-1]), grad_norm=float(grad_norm), trained_tokens=length * len(samples))
-        self.train_state.tokens_seen += total_tokens
-        return out
+        results = [policy_update(self.model_parts, self.optimizer, samples_of(mini), self.loss_settings,
+                                 device=self.device, dp_mesh=self.dp_mesh, micro_batch_size=rl.micro_batch_size,
+                                 multiple=self.tp, reference=self.reference, autocast=self.autocast,
+                                 loss_parallel=self.loss_parallel, max_norm=self.cfg.training.max_norm)
+                   for mini in mini_batches(batch, rl.mini_batch_size, rl.ppo_epochs)]
+        # Once per RL step with an update, however many it made: training.steps stays the schedule's length.
+        self.lr_scheduler.step()
+        self.train_state.tokens_seen += sum(len(c) for g in batch for c in g.completions)
+        return merge_updates(results)
 
     def log(self, step, groups, batch, dropped, stats, seconds) -> dict[str, float]:
         rewards = torch.tensor([r for g in groups for r in g.rewards])
@@ -217,7 +205,8 @@ class GRPOTrainer:
             "gen_tps": round(generated / max(self._global_max(seconds["generate"]), 1e-9), 1),
         }
         if stats is not None:
-            values.update(loss=stats["loss"], grad_norm=stats["grad_norm"], lr=self.step_lr, **stat_means(stats))
+            values.update(loss=stats["loss"], grad_norm=stats["grad_norm"], lr=self.step_lr, updates=stats["updates"],
+                          **stat_means(stats))
             values["train_tps"] = round(stats["trained_tokens"] / max(seconds["train"], 1e-9), 1)
         values.update({f"time/{k}": round(v, 4) for k, v in seconds.items()})
         values["tokens_seen"] = self.train_state.tokens_seen
@@ -271,24 +260,3 @@ class GRPOTrainer:
 
             return tuple(stop_token_ids(self.tokenizer, self.rl.chat_template))
         return (self.tokenizer.eos_id,)
-
-
-def pack(samples: list, length: int, device: torch.device):
-    """Right-padded [n, length] inputs (prompt + completion, last token dropped), targets, the mask of response
-    targets, behaviour log-probs at those targets, and [n] advantages. No sample: one all-masked row, so this rank
-    still joins FSDP's collectives with a zero loss."""
-    n = max(len(samples), 1)
-    tokens = torch.zeros(n, length, dtype=torch.long)
-    targets = torch.zeros(n, length, dtype=torch.long)
-    mask = torch.zeros(n, length, dtype=torch.bool)
-    behaviour = torch.zeros(n, length)
-    adv = torch.zeros(n)
-    for i, (prompt, completion, logprobs, advantage) in enumerate(samples):
-        full = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
-        tokens[i, :full.numel() - 1] = full[:-1]
-        targets[i, :full.numel() - 1] = full[1:]
-        start = len(prompt) - 1  # the input position that predicts the first completion token
-        mask[i, start:start + len(completion)] = True
-        behaviour[i, start:start + len(completion)] = torch.tensor(logprobs)
-        adv[i] = advantage
-    return tokens.to(device), targets.to(device), mask.to(device), behaviour.to(device), adv.to(device)
