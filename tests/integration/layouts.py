@@ -297,6 +297,9 @@ LORA_LAYOUTS = [Layout(name, nproc, (*overrides, *LORA), reference="single_proce
     ("lora_fsdp2_tp2_op_ac_accum", 4, (*dp(2, 2), *_TP2, "--activation_checkpoint.mode", "selective",
                                        "--activation_checkpoint.selective_ac_option", "op")),
     ("lora_pp2_1f1b_full_ac", 2, (*dp(4, 1), *pp("1F1B"), "--activation_checkpoint.mode", "full")),
+    # FSDP 2 alone, with every other block recomputed: adapters and frozen weights sharded in the same units
+    ("lora_fsdp2_ac_every2", 2, (*dp(4, 2), "--activation_checkpoint.mode", "selective",
+                                 "--activation_checkpoint.selective_ac_option", "2")),
     # DDP's gradient hook over a model of mostly frozen parameters, with accumulation
     ("lora_ddp2_accum", 2, (*dp(2, 2), *_REPLICATE, "2", "--parallelism.data_parallel_shard_degree", "1")),
     # HSDP 2x2 with accumulation: frozen weights sharded over dp_shard and replicated without a gradient, the
