@@ -1,6 +1,8 @@
 """`generate(model, prompts, config) -> GenerationResult`: batched autoregressive generation with a KV cache.
 
-Works with any decoder of torchtitan/models (Llama 3, Qwen3 dense and MoE, DeepSeek-V3) held whole on one device:
+Works with any decoder of torchtitan/models (Llama 3, Qwen3 dense and MoE, DeepSeek-V3) held whole on one device
+(or, dense ones, split over tensor-parallel ranks by torchtitan/distributed/generation_tp.py: every rank then runs
+this same loop on the same prompts and sees the same full logits):
 the prompts (token ids, of any lengths) are left-padded into one batch, run through the model once (the prefill),
 then one token per row per step, each step reading the cache (kv_cache.py) instead of recomputing the past. A row
 stops at a stop token or after `max_new_tokens`; the batch stops when every row has.
@@ -71,6 +73,9 @@ class GenerationResult:
     """[batch, steps] fp32 log-probability of each new token (0 after the row's end); with return_logprobs."""
     logits: torch.Tensor | None = None
     """[batch, steps, vocab] fp32 logits each new token was chosen from; with return_logits."""
+    cache_bytes: int = 0
+    """Bytes the KV cache's buffers held on this device (every slot of every row; under tensor parallel, this
+    rank's heads only)."""
 
     def sequences(self) -> list[list[int]]:
         """The new tokens of each row, without padding."""
@@ -166,4 +171,5 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]] | torch.Tensor,
         finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
         logprobs=torch.stack(out_logprobs, dim=1) if config.return_logprobs else None,
         logits=torch.stack(out_logits, dim=1) if config.return_logits else None,
+        cache_bytes=cache.nbytes(),
     )

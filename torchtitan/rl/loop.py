@@ -32,10 +32,11 @@ from torchtitan.config.preflight import checked_tokenizer
 from torchtitan.config.resolve import Resolved
 from torchtitan.data.tokenizer import default_cache_dir
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.generation_tp import generation_tp_errors
 from torchtitan.models.registry import get_model_spec
 from torchtitan.rl.buffer import Group, ReplayBuffer
 from torchtitan.rl.data import PromptStream, check_prompts_fit, encode_prompt, load_records, prompt_fits
-from torchtitan.rl.generator import LocalGenerator, SamplingParams, full_state_dict
+from torchtitan.rl.generator import LocalGenerator, SamplingParams, TPGenerator, full_state_dict, sharded_state_dict
 from torchtitan.rl.loss import group_advantages, stat_means
 from torchtitan.rl.rewards import RewardSet, exact_answer
 from torchtitan.rl.update import LossSettings, logit_chunks, merge_updates, mini_batches, policy_update, samples_of
@@ -101,7 +102,7 @@ class GRPOTrainer:
         self.optimizer = OptimizersContainer(self.model_parts, cfg.optimizer, device.type)
         self.lr_scheduler = LRSchedulersContainer(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         dtype = torch.bfloat16 if param_dtype == "bfloat16" else torch.float32
-        self.generator = LocalGenerator(self._whole_model(spec, model_args, dtype))
+        self.generator = self._generator(spec, model_args, pdims, dtype)
         # The KL anchor is the policy the run started from: rebuilt the same way on resume, never saved.
         self.reference = self._reference(spec, model_args, dtype) if self.rl.kl_coeff > 0 else None
 
@@ -130,7 +131,7 @@ class GRPOTrainer:
             model_args=model_args, world_size=pdims.world_size, rank=self.rank)
         self.checkpointer.load()
         self.checkpointer.check_continuation(cfg.training.steps)
-        self.generator.update_weights(full_state_dict(self.model_parts), self.state.version)
+        self.generator.update_weights(self._policy_weights(), self.state.version)
         self.metrics = MetricsLogger(dump_folder=cfg.job.dump_folder, rank=self.rank, total_steps=cfg.training.steps,
                                      enable_tensorboard=cfg.metrics.enable_tensorboard,
                                      save_tb_folder=cfg.metrics.save_tb_folder, enable_wandb=cfg.metrics.enable_wandb,
@@ -143,7 +144,7 @@ class GRPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         t, rl, state = Timer(), self.rl, self.state
         with t("generate"):
-            prompts = state.data.take(rl.prompts_per_step)[self.rank::self.world]  # this rank's share
+            prompts = state.data.take(rl.prompts_per_step)[self.gen_rank::self.gen_ranks]  # this rank's share
             ids = [encode_prompt(self.tokenizer, rec["question"], rl.chat_template) for _, rec in prompts]
             for (index, _), prompt in zip(prompts, ids, strict=True):  # what the pre-flight check did not cover
                 if problem := prompt_fits(len(prompt), rl.max_new_tokens, self.cfg.training.seq_len):
@@ -159,7 +160,7 @@ class GRPOTrainer:
         with t("sync"):
             if stats is not None:
                 state.version += 1
-                self.generator.update_weights(full_state_dict(self.model_parts), state.version)
+                self.generator.update_weights(self._policy_weights(), state.version)
         return self.log(step, groups, batch, dropped, stats, t.seconds)
 
     # ------------------------------------------------------------------ the pieces
@@ -175,7 +176,7 @@ class GRPOTrainer:
                                 version=self.state.version))
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, groups)
+            dist.all_gather_object(gathered, groups if self.gen_owner else [])  # tp ranks hold the same groups
             groups = [g for part in gathered for g in part]
         return sorted(groups, key=lambda g: g.index)
 
@@ -235,6 +236,24 @@ class GRPOTrainer:
         if self.world > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return float(value)
+
+    def _generator(self, spec, model_args, pdims, dtype: torch.dtype):
+        """Tensor parallel: the generator split over the tp ranks, which then generate each data-parallel index's
+        prompts together (an MoE model keeps a whole copy per rank). Otherwise a whole copy on each rank."""
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        if self.tp > 1 and not generation_tp_errors(model, self.tp):
+            self.gen_rank, self.gen_ranks = self.dp_rank, self.dp_size
+            self.gen_owner = pdims.mesh("tp").get_local_rank() == 0
+            return TPGenerator(model, pdims.mesh("tp"), device=self.device, dtype=dtype)
+        self.gen_rank, self.gen_ranks, self.gen_owner = self.rank, self.world, True
+        return LocalGenerator(self._whole_model(spec, model_args, dtype))
+
+    def _policy_weights(self) -> dict[str, torch.Tensor]:
+        # TPGenerator gathers each parameter over the data-parallel dims only; LocalGenerator takes whole tensors.
+        if isinstance(self.generator, TPGenerator):
+            return sharded_state_dict(self.model_parts)
+        return full_state_dict(self.model_parts)
 
     def _whole_model(self, spec, model_args, dtype: torch.dtype) -> torch.nn.Module:
         with torch.device("meta"):
