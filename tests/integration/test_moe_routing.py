@@ -10,8 +10,8 @@ alone: what a broken bias update leaves); "off" is no balancing at all, the test
 
 | run | defaults | bias step 0 | off |
 |---|---|---|---|
-| train_configs/debug_moe.toml at seq_len 128: 50 steps, off 20 | 1.60 (1.54, 1.78) | 1.98 (1.94, 2.91) | 3.22 (2.93, 3.41) |
-| DeepSeek-V3 debugmodel_small at lr 2e-3: 100 steps, off 50 | 1.94 (1.94, 1.89) | 3.59 (2.27, 1.89) | 2.98 (3.74, 3.02) |
+| debug_moe.toml at seq_len 128: 50 steps, off 20 | 1.60 (1.54, 1.78) | 1.98 (1.94, 2.91) | 3.22 (2.93, 3.41) |
+| DeepSeek-V3 debugmodel_small, lr 2e-3: 100 steps, off 50 | 1.94 (1.94, 1.89) | 3.59 (2.27, 1.89) | 2.98 (3.74, 3.02) |
 
 (Before the re-tokenization: debug_moe.toml 1.62, 2.48, 3.46; DeepSeek 2.20, 2.73, 3.85.)
 Both models: 8 experts, top 2; Qwen3's softmax scores in debug_moe.toml, DeepSeek's sigmoid scores.
