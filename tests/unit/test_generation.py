@@ -56,6 +56,14 @@ def _build(family: str, n_layers: int | None = 2) -> torch.nn.Module:
     args = dataclasses.replace(spec.flavors[flavor], max_seq_len=64, **extra)
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers)
+    _MODELS[key] = sharpened(spec, args).eval()
+    return _MODELS[key]
+
+
+def sharpened(spec, args) -> torch.nn.Module:
+    """The model of `args`, seeded, with random norm weights, decisive routers, attention projections x4 and (untied)
+    an output projection that permutes the embedding rows: greedy continuations then vary. Also used by
+    tests/unit/test_rl_tp_generator.py, whose ranks must each build the same model."""
     torch.manual_seed(0)
     model = spec.model_cls(args)
     model.init_weights()
@@ -68,10 +76,10 @@ def _build(family: str, n_layers: int | None = 2) -> torch.nn.Module:
                 p.copy_(torch.randn(p.shape, generator=gen))
             elif ".attention." in pname:
                 p.mul_(4.0)
-        perm = torch.randperm(args.vocab_size, generator=gen)
-        model.output.weight.copy_(model.tok_embeddings.weight[perm] * 0.5)
-    _MODELS[key] = model.eval()
-    return _MODELS[key]
+        if not args.tie_word_embeddings:
+            perm = torch.randperm(args.vocab_size, generator=gen)
+            model.output.weight.copy_(model.tok_embeddings.weight[perm] * 0.5)
+    return model
 
 
 def _full_recompute(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

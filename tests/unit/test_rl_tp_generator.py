@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.unit.forked import run_ranks
+from tests.unit.test_generation import sharpened
 from torchtitan.distributed.generation_tp import generation_tp_errors
 from torchtitan.generation import KVCache
 from torchtitan.models.registry import get_model_spec
@@ -38,24 +39,9 @@ def _args(family: str):
 
 
 def _whole(family: str) -> torch.nn.Module:
-    """The same model in every process: seeded init, then random norms, larger attention weights and (untied) an
-    output projection that permutes the embedding, so that greedy continuations vary (at the plain init they repeat
+    """The same model in every process, with weights whose greedy continuations vary (at the plain init they repeat
     one token, which would hide a wrong head or a dropped past)."""
-    spec, args = _args(family)
-    torch.manual_seed(0)
-    model = spec.model_cls(args)
-    model.init_weights()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            elif ".attention." in name:
-                p.mul_(4.0)
-        if not args.tie_word_embeddings:
-            perm = torch.randperm(args.vocab_size, generator=gen)
-            model.output.weight.copy_(model.tok_embeddings.weight[perm] * 0.5)
-    return model
+    return sharpened(*_args(family))
 
 
 def _tp_mesh():
