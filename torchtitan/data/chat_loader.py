@@ -33,7 +33,7 @@ import torch
 
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.data.chat import ChatEncoder
-from torchtitan.data.chat_source import ChatSource, build_chat_source
+from torchtitan.data.chat_source import ConversationSource, build_chat_source
 from torchtitan.data.dataloader import (
     DEFAULT_BLOCK_CHARS,
     PackedDataLoader,
@@ -239,8 +239,8 @@ def _check_epoch_rows(loader: ChatDataLoader) -> None:
 
 
 def build_chat_dataloader(
-    *, source: ChatSource, encoder: ChatEncoder, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
-    num_workers: int = 0, infinite: bool = True, document_masking: bool = False, packing: str = "pad",
+    *, source: ConversationSource, encoder: ChatEncoder, seq_len: int, local_batch_size: int, dp_rank: int,
+    dp_degree: int, num_workers: int = 0, infinite: bool = True, document_masking: bool = False, packing: str = "pad",
     truncation: str = "truncate", block_chars: int = DEFAULT_BLOCK_CHARS,
 ) -> ChatDataLoader:  # fmt: skip
     """This dp rank's batches of `source`'s conversations: `tokens`, `labels` (int64 [local_batch_size, seq_len]),
@@ -276,7 +276,7 @@ def build_chat_dataloader(
 
 
 def build_sft_dataloader(training: Any, source_args: dict[str, Any], loader_args: dict[str, Any],
-                         key_prefix: str = "training") -> tuple[ChatSource, ChatDataLoader]:
+                         key_prefix: str = "training") -> tuple[ConversationSource, ChatDataLoader]:
     """The source and loader of a [training]-like section whose dataset_format is not text (torchtitan/train.py's
     source_args and loader_args, as for text data; the text column is not used)."""
     source = build_chat_source(dataset_path=training.dataset_path, dataset_format=training.dataset_format,

@@ -28,10 +28,9 @@ from typing import Any
 from torchtitan.data import hf_sources
 from torchtitan.data.chat import normalize_messages
 from torchtitan.data.source import DocumentSource
-from torchtitan.data.stdlib_chat import CHAT_DATASETS, StdlibChatSource, stdlib_chat_source
 from torchtitan.tools.logging import logger
 
-__all__ = ["FORMATS", "ChatSource", "build_chat_source", "to_messages"]
+__all__ = ["FORMATS", "ChatSource", "ConversationSource", "build_chat_source", "to_messages"]
 
 FORMATS = ("chat", "prompt_response", "alpaca")
 # format -> [(role in the record, accepted field names, required)]
@@ -91,16 +90,51 @@ def _first_worker() -> bool:
     return info is None or info.id == 0  # every worker reads every record: one of them reports
 
 
-class ChatSource(DocumentSource):
-    """Records of one format from a `datasets` object (map-style: skips by index; streamed: `skip`); documents are
-    JSON lists of messages. `bad` counts the skipped records of the current (or last) pass by reason."""
+class ConversationSource(DocumentSource):
+    """A source whose documents are JSON lists of messages: `to_messages(raw record)` gives a record's messages or
+    why it has none. `bad` counts the skipped records of the current (or last) pass by reason; their raw indexes stay
+    reserved, so resume cursors never shift."""
+
+    format = "chat"
+
+    def __init__(self, name: str, key_prefix: str, num_documents: int | None) -> None:
+        super().__init__(name, key_prefix, num_documents)
+        self.bad: Counter[str] = Counter()
+
+    def to_messages(self, record: Any) -> list[dict[str, str]] | str:
+        raise NotImplementedError
+
+    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
+        if start < 0:
+            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
+        self.bad, self.skipped_documents = Counter(), 0
+        for index, record in self._iter_raw(start):
+            messages = self.to_messages(record)
+            if isinstance(messages, str):
+                self.bad[messages] += 1
+                self.skipped_documents += 1
+                continue
+            yield index, json.dumps(messages, ensure_ascii=False)
+        if self.bad and not self._reported and _first_worker():
+            self._reported = True  # once per process, not every epoch
+            logger.info(f"{self._label()}: skipped {self.bad_summary()} (of records {start} onwards)")
+
+    def bad_summary(self) -> str:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.bad.items()))
+        return f"{sum(self.bad.values())} bad records: {reasons}"
+
+
+class ChatSource(ConversationSource):
+    """Records of one format from a `datasets` object (map-style: skips by index; streamed: `skip`)."""
 
     def __init__(self, name: str, key_prefix: str, dataset: Any, fmt: str, columns: dict[str, str],
                  streaming: bool) -> None:
         super().__init__(name, key_prefix, None if streaming else len(dataset))
         self.dataset = dataset.select_columns(sorted(set(columns.values())))
         self.format, self.columns, self.streaming = fmt, columns, streaming
-        self.bad: Counter[str] = Counter()
+
+    def to_messages(self, record: Any) -> list[dict[str, str]] | str:
+        return to_messages(record, self.format, self.columns)
 
     def _iter_raw(self, start: int) -> Iterator[tuple[int, Any]]:
         index = start
@@ -118,25 +152,6 @@ class ChatSource(DocumentSource):
             raise ValueError(f"{self.key_prefix}.dataset_path: reading '{self.name}' failed near record {index}: "
                              f"{hf_sources._one_line(e)}") from None
 
-    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
-        if start < 0:
-            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
-        self.bad, self.skipped_documents = Counter(), 0
-        for index, record in self._iter_raw(start):
-            messages = to_messages(record, self.format, self.columns)
-            if isinstance(messages, str):
-                self.bad[messages] += 1
-                self.skipped_documents += 1
-                continue
-            yield index, json.dumps(messages, ensure_ascii=False)
-        if self.bad and not self._reported and _first_worker():
-            self._reported = True  # once per process, not every epoch
-            logger.info(f"{self._label()}: skipped {self.bad_summary()} (of records {start} onwards)")
-
-    def bad_summary(self) -> str:
-        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.bad.items()))
-        return f"{sum(self.bad.values())} bad records: {reasons}"
-
 
 def _column_names(ds: Any, where: str, p: str) -> list[str]:
     columns = ds.column_names
@@ -152,7 +167,7 @@ def _column_names(ds: Any, where: str, p: str) -> list[str]:
 
 def build_chat_source(*, dataset_path: str, dataset_format: str, split: str = "train", streaming: str = "auto",
                       cache_dir: str | None = None, key_prefix: str = "training",
-                      dataset: str = "") -> ChatSource | StdlibChatSource:
+                      dataset: str = "") -> ConversationSource:
     """The conversations of `<key_prefix>.dataset_path` in `dataset_format` (chat | prompt_response | alpaca |
     auto), checked down to the first usable record: a missing field in every record, no record usable, a
     pre-tokenized folder are one-line ValueErrors naming the key. Without a dataset_path, `dataset` may name the
@@ -160,6 +175,8 @@ def build_chat_source(*, dataset_path: str, dataset_format: str, split: str = "t
     p = key_prefix
     if dataset_format not in (*FORMATS, "auto"):
         raise ValueError(f"{p}.dataset_format: '{dataset_format}' is not one of {', '.join(FORMATS)}, auto")
+    from torchtitan.data.stdlib_chat import CHAT_DATASETS, stdlib_chat_source  # it subclasses ConversationSource
+
     if not dataset_path and dataset in CHAT_DATASETS:
         if dataset_format not in ("chat", "auto"):
             raise ValueError(f"{p}.dataset: {dataset} holds chat messages; set training.dataset_format = chat")

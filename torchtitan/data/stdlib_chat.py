@@ -6,7 +6,7 @@ tests need no download. One conversation per module file, in the corpus's fixed 
 is `python_stdlib_chat_val`): a system turn, then the module's docstring as the answer to "what is it for", then up
 to three of its public functions and classes, each answered with its signature and the first paragraph of its
 docstring. A file with none of these (no docstrings, or source that does not parse) is a bad record, counted and
-skipped like a bad record of a chat file (torchtitan/data/chat_source.py).
+skipped like a bad record of a chat file (ConversationSource, torchtitan/data/chat_source.py).
 
 Files are parsed with `ast` as the loader reads them (about 5 ms each), never imported.
 """
@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from torchtitan.data.source import DocumentSource
-from torchtitan.tools.logging import logger
+from torchtitan.data.chat_source import ConversationSource
 
 __all__ = ["CHAT_DATASETS", "StdlibChatSource", "conversation_of", "stdlib_chat_source"]
 
@@ -89,41 +86,22 @@ def conversation_of(rel_path: str, source: str) -> list[dict[str, str]] | str:
     return messages
 
 
-class StdlibChatSource(DocumentSource):
-    """The module files of one split of the stdlib corpus, as JSON lists of messages (ChatSource's documents)."""
-
-    format = "chat"
+class StdlibChatSource(ConversationSource):
+    """The module files of one split of the stdlib corpus, one conversation each."""
 
     def __init__(self, name: str, key_prefix: str, sources: tuple[Any, ...]) -> None:
         super().__init__(name, key_prefix, len(sources))
         self.sources = sources
-        self.bad: Counter[str] = Counter()
 
     def _iter_raw(self, start: int) -> Iterator[tuple[int, Any]]:
         for index in range(start, len(self.sources)):
-            source = self.sources[index]
-            try:
-                yield index, conversation_of(source.key, source.path.read_bytes().decode("utf-8"))
-            except (OSError, UnicodeDecodeError):
-                yield index, "unreadable"
+            yield index, self.sources[index]
 
-    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
-        if start < 0:
-            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
-        self.bad, self.skipped_documents = Counter(), 0
-        for index, messages in self._iter_raw(start):
-            if isinstance(messages, str):  # a file without docstrings: its index stays reserved, as in a chat file
-                self.bad[messages] += 1
-                self.skipped_documents += 1
-                continue
-            yield index, json.dumps(messages, ensure_ascii=False)
-        if self.bad and not self._reported:
-            self._reported = True
-            logger.info(f"{self._label()}: skipped {self.bad_summary()} (of records {start} onwards)")
-
-    def bad_summary(self) -> str:
-        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.bad.items()))
-        return f"{sum(self.bad.values())} files without a conversation: {reasons}"
+    def to_messages(self, record: Any) -> list[dict[str, str]] | str:
+        try:
+            return conversation_of(record.key, record.path.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError):
+            return "unreadable"
 
 
 def stdlib_chat_source(name: str, key_prefix: str) -> StdlibChatSource:
