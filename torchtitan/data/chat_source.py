@@ -18,16 +18,14 @@ pretraining (torchtitan/data/hf_sources.py: local json/jsonl/parquet, checked fi
 
 from __future__ import annotations
 
-import json
-import sys
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from torchtitan.data import hf_sources
 from torchtitan.data.chat import normalize_messages
-from torchtitan.data.source import DocumentSource
+from torchtitan.data.source import ConversationSource
+from torchtitan.data.stdlib_chat import CHAT_DATASETS, stdlib_chat_source
 from torchtitan.tools.logging import logger
 
 __all__ = ["FORMATS", "ChatSource", "ConversationSource", "build_chat_source", "to_messages"]
@@ -81,49 +79,6 @@ def to_messages(record: dict[str, Any], fmt: str, columns: dict[str, str]) -> li
     return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
 
 
-def _first_worker() -> bool:
-    if "torch.utils.data" not in sys.modules:  # the launcher's check, which must not import torch
-        return True
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    return info is None or info.id == 0  # every worker reads every record: one of them reports
-
-
-class ConversationSource(DocumentSource):
-    """A source whose documents are JSON lists of messages: `to_messages(raw record)` gives a record's messages or
-    why it has none. `bad` counts the skipped records of the current (or last) pass by reason; their raw indexes stay
-    reserved, so resume cursors never shift."""
-
-    format = "chat"
-
-    def __init__(self, name: str, key_prefix: str, num_documents: int | None) -> None:
-        super().__init__(name, key_prefix, num_documents)
-        self.bad: Counter[str] = Counter()
-
-    def to_messages(self, record: Any) -> list[dict[str, str]] | str:
-        raise NotImplementedError
-
-    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
-        if start < 0:
-            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
-        self.bad, self.skipped_documents = Counter(), 0
-        for index, record in self._iter_raw(start):
-            messages = self.to_messages(record)
-            if isinstance(messages, str):
-                self.bad[messages] += 1
-                self.skipped_documents += 1
-                continue
-            yield index, json.dumps(messages, ensure_ascii=False)
-        if self.bad and not self._reported and _first_worker():
-            self._reported = True  # once per process, not every epoch
-            logger.info(f"{self._label()}: skipped {self.bad_summary()} (of records {start} onwards)")
-
-    def bad_summary(self) -> str:
-        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.bad.items()))
-        return f"{sum(self.bad.values())} bad records: {reasons}"
-
-
 class ChatSource(ConversationSource):
     """Records of one format from a `datasets` object (map-style: skips by index; streamed: `skip`)."""
 
@@ -175,8 +130,6 @@ def build_chat_source(*, dataset_path: str, dataset_format: str, split: str = "t
     p = key_prefix
     if dataset_format not in (*FORMATS, "auto"):
         raise ValueError(f"{p}.dataset_format: '{dataset_format}' is not one of {', '.join(FORMATS)}, auto")
-    from torchtitan.data.stdlib_chat import CHAT_DATASETS, stdlib_chat_source  # it subclasses ConversationSource
-
     if not dataset_path and dataset in CHAT_DATASETS:
         if dataset_format not in ("chat", "auto"):
             raise ValueError(f"{p}.dataset: {dataset} holds chat messages; set training.dataset_format = chat")

@@ -5,12 +5,15 @@ In a module of its own so that the sources (datasets.py, hf_sources.py) and the 
 
 from __future__ import annotations
 
+import json
+import sys
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 from torchtitan.tools.logging import logger
 
-__all__ = ["DocumentSource"]
+__all__ = ["ConversationSource", "DocumentSource"]
 
 _SKIP_LOG_EVERY = 100_000
 
@@ -56,3 +59,46 @@ class DocumentSource:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, num_documents={self.num_documents})"
+
+
+def _first_worker() -> bool:
+    if "torch.utils.data" not in sys.modules:  # the launcher's check, which must not import torch
+        return True
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return info is None or info.id == 0  # every worker reads every record: one of them reports
+
+
+class ConversationSource(DocumentSource):
+    """A source whose documents are JSON lists of messages: `to_messages(raw record)` gives a record's messages or
+    why it has none. `bad` counts the skipped records of the current (or last) pass by reason; their raw indexes stay
+    reserved, so resume cursors never shift."""
+
+    format = "chat"
+
+    def __init__(self, name: str, key_prefix: str, num_documents: int | None) -> None:
+        super().__init__(name, key_prefix, num_documents)
+        self.bad: Counter[str] = Counter()
+
+    def to_messages(self, record: Any) -> list[dict[str, str]] | str:
+        raise NotImplementedError
+
+    def iter_documents(self, start: int = 0) -> Iterator[tuple[int, str]]:
+        if start < 0:
+            raise ValueError(f"{self.key_prefix}.dataset '{self.name}': start must be >= 0, got {start}")
+        self.bad, self.skipped_documents = Counter(), 0
+        for index, record in self._iter_raw(start):
+            messages = self.to_messages(record)
+            if isinstance(messages, str):
+                self.bad[messages] += 1
+                self.skipped_documents += 1
+                continue
+            yield index, json.dumps(messages, ensure_ascii=False)
+        if self.bad and not self._reported and _first_worker():
+            self._reported = True  # once per process, not every epoch
+            logger.info(f"{self._label()}: skipped {self.bad_summary()} (of records {start} onwards)")
+
+    def bad_summary(self) -> str:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.bad.items()))
+        return f"{sum(self.bad.values())} bad records: {reasons}"

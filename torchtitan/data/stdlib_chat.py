@@ -6,7 +6,7 @@ tests need no download. One conversation per module file, in the corpus's fixed 
 is `python_stdlib_chat_val`): a system turn, then the module's docstring as the answer to "what is it for", then up
 to three of its public functions and classes, each answered with its signature and the first paragraph of its
 docstring. A file with none of these (no docstrings, or source that does not parse) is a bad record, counted and
-skipped like a bad record of a chat file (ConversationSource, torchtitan/data/chat_source.py).
+skipped like a bad record of a chat file (ConversationSource, torchtitan/data/source.py).
 
 Files are parsed with `ast` as the loader reads them (about 5 ms each), never imported.
 """
@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from torchtitan.data.chat_source import ConversationSource
+from torchtitan.data.source import ConversationSource
 
 __all__ = ["CHAT_DATASETS", "StdlibChatSource", "conversation_of", "stdlib_chat_source"]
 
