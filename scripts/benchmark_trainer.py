@@ -225,10 +225,13 @@ def profile_worker(opts: dict, world: int, device, tmp: str) -> dict:
     for e in sorted(forward, key=lambda e: e.time_range.start):
         seq_component[e.sequence_nr] = walk(e, {})
     shares = dict.fromkeys(COMPONENTS, 0.0)
+    ops = dict.fromkeys(COMPONENTS, 0)  # events per component: what the program ran, whatever the machine's load
     for e in events:
-        shares[walk(e, seq_component)] += e.self_cpu_time_total
+        component = walk(e, seq_component)
+        shares[component] += e.self_cpu_time_total
+        ops[component] += 1
     total = sum(shares.values())
-    return {"shares": {k: v / total for k, v in shares.items()}, "traced_ms": total / 1e3 / traced,
+    return {"shares": {k: v / total for k, v in shares.items()}, "ops": ops, "traced_ms": total / 1e3 / traced,
             "step_ms": 1e3 * statistics.median(step_times[opts["warmup"]:])}
 
 
@@ -298,7 +301,7 @@ def main() -> None:
                 print(f"\n{nproc} process(es): step {result['step_ms']:.0f} ms, traced CPU time "
                       f"{result['traced_ms']:.0f} ms/step (profiler on)")
                 for name, share in sorted(result["shares"].items(), key=lambda kv: -kv[1]):
-                    print(f"  {name:18s} {100 * share:5.1f}%")
+                    print(f"  {name:18s} {100 * share:5.1f}%  {result['ops'][name]:7d} ops")
                 continue
             tokens = result["tokens_per_step"]
             trainer, trainer_rounds = _tps(result["times"]["trainer"], a.warmup, tokens)

@@ -64,9 +64,13 @@ def test_compare_prints_both_sides_and_their_ratio(tt_cache_dir):
 def test_profile_attributes_the_step_to_model_components(tt_cache_dir):
     # One traced step after the first (which builds FSDP's state lazily): every component shows in each step.
     out = _run(["--profile", "--nproc", "2", "--steps", "2", "--warmup", "1", *TINY], tt_cache_dir)
-    shares = {name: float(pct) for name, pct in re.findall(r"^\s+([a-z+]+)\s+([\d.]+)%$", out, re.M)}
+    rows = re.findall(r"^\s+([a-z+]+)\s+([\d.]+)%\s+(\d+) ops$", out, re.M)
+    shares = {name: float(pct) for name, pct, _ in rows}
+    ops = {name: int(n) for name, _, n in rows}
     assert sum(shares.values()) == pytest.approx(100.0, abs=0.5), out
     # every part of the model is found, forward and backward, and FSDP's collectives on 2 processes
     for component in ("attention", "rope", "mlp", "norms", "embedding+output", "loss", "optimizer", "fsdp"):
-        assert shares[component] > 0.0, (component, out)
-    assert shares["other"] < 25.0, out
+        assert shares[component] > 0.0 and ops[component] > 0, (component, out)
+    # Most of what the step runs is attributed. Counted in profiled events, not time: the time shares move with the
+    # machine's load ("other" measured 8-28% of the time on the same program, 6.4% of the events).
+    assert ops["other"] < 0.15 * sum(ops.values()), out
