@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.layouts import COMMON, REFERENCES
+from tests.integration.layouts import COMMON, PARITY, REFERENCES
 from tests.integration.parity import run_layout
 from tests.integration.pool import Pools
 
@@ -37,6 +37,12 @@ def train_layout(pools: Pools, nproc: int, args, dump_folder, faults: tuple = ()
     return pool.run(run_layout, [*COMMON, *args], str(dump_folder), faults, timeout=timeout)[0]
 
 
+def train_parity(pools: Pools, nproc: int, args, dump_folder, faults: tuple = (), timeout: float = 180.0) -> dict:
+    """train_layout for the parity suite: STEPS steps with validation after each (tests/integration/layouts.py), as
+    every reference and layout is run."""
+    return train_layout(pools, nproc, (*PARITY, *args), dump_folder, faults, timeout)
+
+
 def setup_error(pools: Pools, nproc: int, args, dump_folder) -> str:
     """The one-line error with which building the Trainer for `args` fails, the same on every rank."""
     errors = pools.get(nproc, mesh_shape(args)).run(run_layout, [*COMMON, *args], str(dump_folder), (), "setup_error")
@@ -52,7 +58,7 @@ def reference(pools, tmp_path_factory):
     def get(name: str) -> dict:
         if name not in cache:
             ref = REFERENCES[name]
-            cache[name] = train_layout(pools, 1, ref.overrides, tmp_path_factory.mktemp(name))
+            cache[name] = train_parity(pools, 1, ref.overrides, tmp_path_factory.mktemp(name))
         return cache[name]
 
     return get

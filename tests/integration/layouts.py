@@ -1,7 +1,7 @@
 """The layout matrix: every parallel layout the parity suite trains, each against a 1-process reference.
 
 Every layout trains the same global batch (8 sequences of 64 tokens) of the small debug model for STEPS steps in
-fp32, with validation after steps 2 and 3 (so a step follows a validation), and must match its reference in
+fp32, with validation after each step (so a step follows a validation), and must match its reference in
 loss, gradient norm, validation loss and every parameter (tests/integration/parity.py, docs/testing.md).
 Every data-parallel layout accumulates gradients (local batch x DP degree < 8) unless it says otherwise.
 """
@@ -13,14 +13,19 @@ from pathlib import Path
 from tests.integration.parity import Layout
 
 GLOBAL_BATCH = 8
-# 3 steps: step 1's gradients come from equal weights, step 2's from one update (AdamW's first moments), step 3's from
-# two and follows a validation. A step of a 4-rank TP layout is most of its time; 6 steps cost twice as much CPU and
-# found nothing more (2026-11-26).
-STEPS = 3
+# 2 steps: step 1's gradients come from equal weights, step 2's from one update and after a validation; the
+# parameters are compared after each update (the second one's moments hold step 1's gradients) and AdamW's moments
+# after the last, which a third step would have shown only through its update. Most of a layout's time is its steps
+# (DTensor and FSDP Python overhead times the ranks on two cores): a third cost 40-50% more per layout, and every
+# planted bug of the harness's tests fails at 2 steps as at 3 (2026-11-27).
+STEPS = 2
+# The parity runs (train_parity in tests/integration/conftest.py): COMMON, then these.
+PARITY = ("--training.steps", str(STEPS), "--validation.freq", "1")
 
+# What every integration run of the small model shares; the other test files' runs set their own steps on top.
 COMMON = (
     "--model.flavor", "debugmodel_small",
-    "--training.steps", str(STEPS),
+    "--training.steps", "3",
     "--training.seq_len", "64",
     "--training.global_batch_size", str(GLOBAL_BATCH),
     "--training.mixed_precision_param", "float32",
@@ -32,7 +37,8 @@ COMMON = (
     "--job.print_config", "false",
     "--comm.init_timeout_seconds", "60",
     "--comm.train_timeout_seconds", "60",
-    # the first 8 validation sequences, the same 8 in every layout (validation.local_batch_size = 8 / DP degree)
+    # the first 8 validation sequences, the same 8 in every layout (validation.local_batch_size = 8 / DP degree), after
+    # steps 2 and 3 (the parity runs: after each step)
     "--validation.enable", "true",
     "--validation.freq", "2",
     "--validation.steps", "1",

@@ -1,8 +1,9 @@
 """Print, for every layout of the parity suite, its largest relative difference from its reference per quantity,
 beside the noise floor (each 1-process reference with its batch summed in another order) and the tolerances; and,
-per tensor, the largest difference of its gradient norm and of its values over all layouts beside its own floor.
+per tensor, the largest difference of its gradient norm, of its values and of its optimizer moments over all layouts
+beside its own floor.
 
-    python -m tests.integration.noise_floor                 # about 20 minutes on 2 CPU cores
+    python -m tests.integration.noise_floor                 # about 3 minutes on 2 CPU cores
     python -m tests.integration.noise_floor -k moe --json differences.json
     python -m tests.integration.noise_floor -k float8 --write   # rewrites the tolerances of the references measured
     python -m tests.integration.noise_floor -k single_process_lora --write   # one reference and all its layouts
@@ -19,10 +20,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from tests.integration.conftest import train_layout
+from tests.integration.conftest import train_parity
 from tests.integration.layouts import ALL_LAYOUTS, REFERENCES, dp
 from tests.integration.parity import (
     FLOAT8_TENSOR_CEILING,
+    MOMENTS,
     REFERENCE_TOLERANCE,
     TENSOR_TOLERANCE_FILE,
     TENSOR_TOLERANCE_MIN,
@@ -50,17 +52,17 @@ def main() -> None:
     rows, per_tensor = [], {}
     try:
         for name in sorted({layout.reference for layout in layouts}):
-            ref = train_layout(pools, 1, REFERENCES[name].overrides, tmp / name)
+            ref = train_parity(pools, 1, REFERENCES[name].overrides, tmp / name)
             per_tensor[name] = {"floor": {}, "layouts": {}}
             # The same run as 4 micro-batches of 2: mathematically equal, summed in another order. Not for the
             # global-batch balance loss, whose scope with accumulation is each micro-batch (docs/models.md), nor for
             # float8, whose scales come from each forward's rows (tests/integration/layouts.py).
             if "global_batch" not in REFERENCES[name].overrides and "float8" not in name:
-                reordered = train_layout(pools, 1, (*REFERENCES[name].overrides, *dp(2, 1)), tmp / f"{name}_reordered")
+                reordered = train_parity(pools, 1, (*REFERENCES[name].overrides, *dp(2, 1)), tmp / f"{name}_reordered")
                 rows.append((f"{name} reordered (noise floor)", max_relative_differences(reordered, ref)))
                 per_tensor[name]["floor"] = tensor_differences(reordered, ref)
             for layout in (layout for layout in layouts if layout.reference == name):
-                run = train_layout(pools, layout.nproc, layout.overrides, tmp / layout.name)
+                run = train_parity(pools, layout.nproc, layout.overrides, tmp / layout.name)
                 rows.append((f"{layout.name} ({layout.nproc} ranks)", max_relative_differences(run, ref)))
                 per_tensor[name]["layouts"][layout.name] = tensor_differences(run, ref)
     finally:
@@ -70,12 +72,13 @@ def main() -> None:
     for name, worst in rows:
         print(f"| {name} | " + " | ".join(f"{worst[k]:.1e}" for k in keys) + " |")
     print("| tolerance | " + " | ".join(f"{TOLERANCE[k]:.0e}" for k in keys) + " |")
-    print("\n| reference | tensor | grad floor | grad worst (layout) | values floor | values worst (layout) |")
-    print("|---|---|---|---|---|---|")
+    kinds = ("grad", "param", *MOMENTS)
+    print("\n| reference | tensor | " + " | ".join(f"{of} floor | {of} worst (layout)" for of in kinds) + " |")
+    print("|---|---|" + "---|---|" * len(kinds))
     for name, found in per_tensor.items():
         for tensor in sorted({t for d in (found["floor"], *found["layouts"].values()) for _, t in d}):
             cells = []
-            for of in ("grad", "param"):
+            for of in kinds:
                 worst = max(((d.get((of, tensor), 0.0), layout) for layout, d in found["layouts"].items()),
                             default=(0.0, "-"))
                 cells += [f"{found['floor'].get((of, tensor), 0.0):.1e}", f"{worst[0]:.1e} ({worst[1]})"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tests.integration.faults import FAULTS
 from torchtitan.components.model_parts import named_parameters
 
 # Tolerances, relative, derived in docs/testing.md from the measured noise floor of mathematically equal runs.
 TOLERANCE = {"loss": 3e-6, "val_loss": 2e-6, "grad_norm": 1e-6, "moe_aux_loss": 2e-6, "moe_z_loss": 2e-6,
-             # every tensor on its own: each parameter's gradient norm before clipping, and its values
-             "grad": 2e-5, "param": 1e-4}
+             # every tensor on its own: each parameter's gradient norm before clipping, its values, and after the
+             # last step AdamW's moments (as sensitive as the values: an element whose first gradient is near zero
+             # moves by +-lr whatever its size, and the next gradient with it; LoRA's floor: 2.0e-5, 2026-11-27)
+             "grad": 2e-5, "param": 1e-4, "exp_avg": 1e-4, "exp_avg_sq": 1e-4}
 METRICS = ("loss", "grad_norm", "val_loss", "moe_aux_loss", "moe_z_loss")
+# The optimizer state compared after the last step: what a later step would see only through its update.
+MOMENTS = ("exp_avg", "exp_avg_sq")
 # Per reference and tensor, a tighter tolerance where that tensor's measured differences allow one: 10x the largest
 # over its noise floor and every layout, at least TENSOR_TOLERANCE_MIN (written by `python -m
 # tests.integration.noise_floor --write`, docs/testing.md). Tensors not listed use TOLERANCE["grad"/"param"].
@@ -45,7 +49,7 @@ REFERENCE_TOLERANCE: dict[str, dict[str, float]] = {
     # scales. FSDP 2 x TP 2 against its 1-process run (2026-11-26): loss 5.8e-7, validation loss 5.6e-7, gradient
     # norm 1.3e-6, one tensor's gradient norm up to 1.3e-3 and its values up to 7.3e-3
     "single_process_float8_rowwise_rows4": {**TOLERANCE, "loss": 1e-5, "val_loss": 1e-5, "grad_norm": 2e-5,
-                                            "grad": 2e-2, "param": 1e-1},
+                                            "grad": 2e-2, "param": 1e-1, "exp_avg": 2e-2, "exp_avg_sq": 4e-2},
 }
 
 
@@ -63,8 +67,9 @@ class Layout:
 
 def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: str = "success",
                fingerprints: bool = True) -> dict | None:
-    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...], "grads":
-    [...]} (per step; see tensor_fingerprints), the others None.
+    """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...], "grads": [...]} (per
+    step; see tensor_fingerprints) and {"exp_avg": ..., "exp_avg_sq": ...} (AdamW's moments after the last step),
+    the others None.
 
     expect="setup_error": building the Trainer must fail with a one-line ValueError (as `run()` reports it);
     expect="training_error": training must stop with a TrainingError. Every rank then returns {"error": message}
@@ -117,13 +122,15 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
             if restore is not None:  # the pool's next layout must run unmutated code
                 restore()
     assert expect != "training_error" or "error" in result, "training was expected to stop with an error"
+    moments = {of: tensor_fingerprints(trainer.model_parts, of, state=trainer.optimizer.state) for of in MOMENTS} \
+        if fingerprints and "error" not in result else {}
     trainer.close()
     if rank != 0:
         return result or None
     metrics_file = Path(dump_folder) / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line] \
         if metrics_file.exists() else []
-    return {**result, "metrics": metrics, "params": params, "grads": grads, "frozen": sorted(frozen),
+    return {**result, "metrics": metrics, "params": params, "grads": grads, **moments, "frozen": sorted(frozen),
             "initial": initial}
 
 
@@ -135,12 +142,14 @@ def frozen_names(model_parts: list[torch.nn.Module]) -> set[str]:
     return set().union(*gathered)
 
 
-def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str, only: set[str] | None = None
-                        ) -> dict[str, list[list[float]]]:
-    """name -> the distinct fingerprints of every parameter (of="param") or its gradient (of="grad") over the job.
+def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str, only: set[str] | None = None,
+                        state: dict | None = None) -> dict[str, list[list[float]]]:
+    """name -> the distinct fingerprints of every parameter (of="param"), its gradient (of="grad") or its optimizer
+    state (of="exp_avg"/"exp_avg_sq", from `state`: the optimizer's, by parameter) over the job.
 
-    A gradient's fingerprint is its L2 norm; a parameter's is its norm and PROJECTIONS projections on fixed random
-    vectors (one set per name), so a value in the wrong place shows even where whole-tensor sums would not.
+    A gradient's fingerprint is its L2 norm; a parameter's and a moment's are the norm and PROJECTIONS projections on
+    fixed random vectors (one set per name), so a value in the wrong place shows even where whole-tensor sums would
+    not.
     In float64. Each rank adds up the box of the whole tensor it holds (a shard, or all of it) and one all-gather per
     call merges the boxes by name: one copy of each box counts; a box held by several ranks whose copies differ
     (replicas that drifted apart: a missing reduction over tp or a replicate dimension) gives one more fingerprint per
@@ -148,13 +157,13 @@ def tensor_fingerprints(model_parts: list[torch.nn.Module], of: str, only: set[s
     """
     mine: list[tuple[str, tuple, list[float]]] = []
     for name, p in named_parameters(model_parts):
-        t = p if of == "param" else p.grad
+        t = p if of == "param" else p.grad if of == "grad" else (state or {}).get(p, {}).get(of)
         if t is None or (only is not None and name not in only):
             continue
         local, (indices, box) = _local_elements(t)
         x = local.detach().to(torch.float64).flatten()
         sums = [x.square().sum().item()]
-        if of == "param":
+        if of != "grad":
             projections = _projections(name, tuple(t.shape)).reshape(PROJECTIONS, -1)
             sums += ((projections if indices is None else projections[:, indices]) @ x).tolist()
         mine.append((name, box, sums))
@@ -224,8 +233,10 @@ def tensor_difference(got: list[float], ref: list[float]) -> float:
 def tensor_differences(run: dict, reference: dict) -> dict[tuple[str, str], float]:
     """(kind, name) -> the largest relative difference of that tensor's fingerprints over the compared steps."""
     worst: dict[tuple[str, str], float] = {}
-    for kind, of in (("grads", "grad"), ("params", "param")):
-        for got, ref in zip(run[kind], reference[kind], strict=False):
+    kinds = [(of, run[kind], reference[kind]) for kind, of in (("grads", "grad"), ("params", "param"))]
+    kinds += [(of, [run[of]], [reference[of]]) for of in MOMENTS if of in run and of in reference]
+    for of, got_steps, ref_steps in kinds:
+        for got, ref in zip(got_steps, ref_steps, strict=False):
             for name, (ref_values,) in ref.items():
                 for copy in got.get(name, ()):
                     rel = tensor_difference(copy, ref_values)
@@ -236,7 +247,7 @@ def tensor_differences(run: dict, reference: dict) -> dict[tuple[str, str], floa
 def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE, tensors: dict | None = None
             ) -> list[str]:
     """Every discrepancy beyond tolerance, worst first; empty when the run matches the reference. `tensors`:
-    {"grad"|"param": {name: tolerance}} for this reference (TENSOR_TOLERANCE[reference name])."""
+    {"grad"|"param"|"exp_avg"|"exp_avg_sq": {name: tolerance}} for this reference (TENSOR_TOLERANCE[name])."""
     problems: list[tuple[float, str]] = []
     ref_metrics, got_metrics = reference["metrics"], run["metrics"]
     if [m["step"] for m in got_metrics] != [m["step"] for m in ref_metrics]:
@@ -256,18 +267,32 @@ def compare(run: dict, reference: dict, tolerance: dict[str, float] = TOLERANCE,
         if len(run[kind]) != len(reference[kind]):
             problems.append((math.inf, f"{len(run[kind])} steps of {of} fingerprints vs {len(reference[kind])}"))
         for step, got, ref in zip(steps, run[kind], reference[kind], strict=False):
-            if set(got) != set(ref):
-                problems.append((math.inf, f"step {step}: {of} names differ: {sorted(set(got) ^ set(ref))[:4]}"))
-            for name, (ref_values,) in ref.items():  # the names both have still compared: each is its own symptom
-                limit = (tensors or {}).get(of, {}).get(name, tolerance[of])
-                for copy in got.get(name, ()):
-                    rel = tensor_difference(copy, ref_values)
-                    if not rel <= limit:
-                        what = "gradient norm" if of == "grad" else "values"
-                        copies = f" (one of {len(got[name])} differing copies)" if len(got[name]) > 1 else ""
-                        problems.append((rel, f"step {step}: {name} {what} off by {rel:.2e} relative{copies}"))
+            problems += _tensor_problems(f"step {step}", of, got, ref, tolerance, tensors)
+    for of in MOMENTS:
+        if (of in run) != (of in reference):
+            problems.append((math.inf, f"{of} fingerprinted in only one of the runs"))
+        elif of in run:
+            problems += _tensor_problems(f"after step {steps[-1] if steps else 0}", of, run[of], reference[of],
+                                         tolerance, tensors)
     problems.sort(key=lambda p: -p[0])
     return [text for _, text in problems]
+
+
+def _tensor_problems(when: str, of: str, got: dict, ref: dict, tolerance: dict[str, float], tensors: dict | None
+                     ) -> list[tuple[float, str]]:
+    """Each tensor's fingerprints against the reference's, at its own tolerance: tensors[of][name] or tolerance[of]."""
+    problems = []
+    if set(got) != set(ref):
+        problems.append((math.inf, f"{when}: {of} names differ: {sorted(set(got) ^ set(ref))[:4]}"))
+    for name, (ref_values,) in ref.items():  # the names both have still compared: each is its own symptom
+        limit = (tensors or {}).get(of, {}).get(name, tolerance[of])
+        for copy in got.get(name, ()):
+            rel = tensor_difference(copy, ref_values)
+            if not rel <= limit:
+                what = {"grad": "gradient norm", "param": "values"}.get(of, of)
+                copies = f" (one of {len(got[name])} differing copies)" if len(got[name]) > 1 else ""
+                problems.append((rel, f"{when}: {name} {what} off by {rel:.2e} relative{copies}"))
+    return problems
 
 
 def frozen_problems(run: dict, reference: dict, steps: list[int]) -> list[str]:
@@ -296,9 +321,11 @@ def max_relative_differences(run: dict, reference: dict) -> dict[str, float]:
 
 
 def from_step(run: dict, first: int) -> dict:
-    """The steps >= first of a run (its metrics file may also hold the steps of the run it resumed)."""
+    """The steps >= first of a run (its metrics file may also hold the steps of the run it resumed), and its
+    optimizer state after the last of them."""
     metrics = [m for m in run["metrics"] if m["step"] >= first]
-    return {"metrics": metrics, "params": run["params"][-len(metrics):], "grads": run["grads"][-len(metrics):]}
+    return {"metrics": metrics, "params": run["params"][-len(metrics):], "grads": run["grads"][-len(metrics):],
+            **{of: run[of] for of in MOMENTS if of in run}}
 
 
 def assert_continues_bitwise(resumed: dict, straight: dict, saved: int, steps: int) -> None:
@@ -310,141 +337,3 @@ def assert_continues_bitwise(resumed: dict, straight: dict, saved: int, steps: i
         assert (got["loss"], got["grad_norm"], got.get("val_loss")) == (ref["loss"], ref["grad_norm"],
                                                                          ref.get("val_loss")), (got, ref)
     assert resumed["params"] == expected["params"]
-
-
-# ---- faults and mutations the tests inject into a built Trainer (never into production code) -------------------
-
-def _nan_gradient(trainer, module_fqn: str, step: int, rank: int) -> None:
-    """From `module_fqn`'s output back, the backward pass of step `step` on `rank` carries NaN."""
-    from torchtitan.distributed.utils import env_world
-
-    class _NanBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return torch.full_like(grad, float("nan"))
-
-    def hook(module, inputs, output):
-        if env_world()[0] == rank and trainer.train_state.step == step - 1 and module.training:
-            return _NanBackward.apply(output)
-        return output
-
-    for part in trainer.model_parts:
-        try:
-            part.get_submodule(module_fqn).register_forward_hook(hook)
-        except AttributeError:
-            continue  # another pipeline stage holds it
-
-
-def _average_gradients(trainer) -> None:
-    """The bug the parity suite must catch: data parallelism averaging gradients on top of the global-token
-    normalisation (every gradient divided by the data-parallel degree)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    dp = trainer.parallel_dims.dp_degree
-    fsdp_modules = [m for part in trainer.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
-    for module in fsdp_modules:
-        module.set_gradient_divide_factor(float(trainer.parallel_dims.fsdp_degree * trainer.parallel_dims.dp_replicate))
-    if not fsdp_modules:  # DDP: swap our SUM hook for an averaging one before the first forward registers it
-        from torch.distributed._composable.replicate import replicate
-
-        state = replicate.state(trainer.model_parts[0])
-        (hook_state, _), kwargs = state._comm_hook_args[0]
-
-        def average_hook(hook_state, bucket):
-            fut = dist.all_reduce(bucket.buffer().div_(dp), group=hook_state[0], async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
-
-        state._comm_hook_args[0] = ((hook_state, average_hook), kwargs)
-
-
-def _scale_gradients(trainer, factors: dict[str, float]) -> Callable[[], None]:
-    """The bug a wrong reduction of one parameter produces (a missing or doubled sum over tp, a replica averaged
-    once too often): the named parameters' gradients, as reduced, off by a constant factor from the first step. Applied
-    where the step takes the gradient norm, so the logged norm, clipping and the update all see the wrong gradients.
-    Returns the undo (the pool's next layout runs the real step)."""
-    from torchtitan.components import step as step_module
-
-    total_grad_norm = step_module.total_grad_norm
-    scaled = [(p, factors[name]) for name, p in named_parameters(trainer.model_parts) if name in factors]
-
-    def scale_then_norm(params, pp_mesh=None):
-        for p, factor in scaled:
-            if p.grad is not None:
-                p.grad.mul_(factor)
-        return total_grad_norm(params, pp_mesh)
-
-    step_module.total_grad_norm = scale_then_norm
-    return lambda: setattr(step_module, "total_grad_norm", total_grad_norm)
-
-
-def _misplace_values(trainer, name: str, step: int) -> None:
-    """After step `step`, the named parameter's values rolled by one place along its last dimension on every rank
-    that holds a piece of it: the same values in the wrong places (the bug a shard written at a wrong offset makes),
-    invisible to whole-tensor sums."""
-    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
-    local = param.to_local() if isinstance(param, DTensor) else param
-    (optimizer,) = [opt for opt in trainer.optimizer.optimizers
-                    if any(p is param for group in opt.param_groups for p in group["params"])]
-
-    def hook(optimizer, args, kwargs):
-        if trainer.guard.step == step:
-            with torch.no_grad():
-                local.copy_(local.roll(1, dims=-1))
-
-    optimizer.register_step_post_hook(hook)
-
-
-def _local_float8_amax(trainer) -> Callable[[], None]:
-    """The bug of a float8 scale taken from this rank's shard alone: torchao's amax of a DTensor (a TP-sharded
-    weight or input) computed on the local tensor and declared replicated, so each rank quantizes with its own
-    scale. Returns the undo."""
-    from torch.distributed.tensor import Replicate
-    from torchao.float8 import float8_utils
-
-    tensor_to_amax = float8_utils.tensor_to_amax
-
-    def local_amax(x, *args, **kwargs):
-        if not isinstance(x, DTensor):
-            return tensor_to_amax(x, *args, **kwargs)
-        amax = tensor_to_amax(x.to_local(), *args, **kwargs)
-        return DTensor.from_local(amax, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
-
-    float8_utils.tensor_to_amax = local_amax
-    return lambda: setattr(float8_utils, "tensor_to_amax", tensor_to_amax)
-
-
-def _partial_adapter_grads(trainer) -> Callable[[], None]:
-    """The LoRA bug of a replicated adapter under TP whose gradient is taken as whole while it is each rank's partial
-    sum (the row-wise layers' B, the column-wise ones' A: torchtitan/components/quantization/lora.py): declared
-    replicated without the reduction over tp. Patched before the first forward registers the hook. Returns the undo."""
-    from torch.distributed.tensor import Replicate
-
-    from torchtitan.components.quantization import lora
-
-    replicated_grad = lora._replicated_grad
-
-    def local_as_whole(grad):
-        if any(pl.is_partial() for pl in grad.placements):
-            return DTensor.from_local(grad.to_local(), grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
-                                      run_check=False)
-        return grad
-
-    lora._replicated_grad = local_as_whole
-    return lambda: setattr(lora, "_replicated_grad", replicated_grad)
-
-
-def _unfreeze(trainer, name: str) -> None:
-    """The LoRA bug of a parameter left trainable (a norm the converter forgot to freeze): it gets a gradient and its
-    optimizer updates it."""
-    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
-    param.requires_grad_(True)
-    trainer.optimizer.optimizers[0].param_groups[0]["params"].append(param)
-
-
-FAULTS = {"nan_gradient": _nan_gradient, "average_gradients": _average_gradients, "scale_gradients": _scale_gradients,
-          "misplace_values": _misplace_values, "local_float8_amax": _local_float8_amax,
-          "partial_adapter_grads": _partial_adapter_grads, "unfreeze": _unfreeze}

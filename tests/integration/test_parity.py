@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import mesh_shape, train_layout
-from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, LORA, REFERENCES, dp
+from tests.integration.conftest import mesh_shape, train_parity
+from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, LORA, REFERENCES, STEPS, dp
 from tests.integration.parity import (
     REFERENCE_TOLERANCE,
     TENSOR_TOLERANCE,
@@ -58,7 +58,7 @@ def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_pat
     the sequence-scope one, and from itself without the z-loss, at every step by far more than the tolerance: its
     layouts test the counts' reduction over the data ranks and the z-loss's gradient."""
     per_sequence, global_batch = reference("single_process_moe_aux"), reference("single_process_moe_global")
-    no_z = train_layout(pools, 1, (*REFERENCES["single_process_moe_global"].overrides, "--moe.router_z_loss_coeff",
+    no_z = train_parity(pools, 1, (*REFERENCES["single_process_moe_global"].overrides, "--moe.router_z_loss_coeff",
                                    "0"), tmp_path)
     for other in (per_sequence, no_z):
         for got, ref in zip(global_batch["metrics"], other["metrics"], strict=True):
@@ -73,8 +73,8 @@ def test_global_batch_scope_and_z_loss_change_training(reference, pools, tmp_pat
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS, key=lambda layout: (layout.nproc, mesh_shape(layout.overrides))),
                          ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference, pools, tmp_path):
-    run = train_layout(pools, layout.nproc, layout.overrides, tmp_path)
-    assert [m.get("val_loss") is not None for m in run["metrics"]] == [False, True, True]
+    run = train_parity(pools, layout.nproc, layout.overrides, tmp_path)
+    assert [m.get("val_loss") is not None for m in run["metrics"]] == [True] * STEPS
     problems = compare(run, reference(layout.reference), REFERENCE_TOLERANCE.get(layout.reference, TOLERANCE),
                        tensors=TENSOR_TOLERANCE.get(layout.reference))
     assert not problems, f"{layout.name} differs from {layout.reference}:\n" + "\n".join(problems[:10])
@@ -84,7 +84,7 @@ def test_noise_floor_is_far_below_the_tolerance(reference, pools, tmp_path):
     """The same 1-process run with 4 micro-batches of 2 instead of 1 of 8: mathematically equal, summed in another
     order. Its differences are the noise floor the tolerances were derived from (docs/testing.md); if they ever
     grow to within 10x of a tolerance, the tolerances must be derived again."""
-    reordered = train_layout(pools, 1, dp(2, 1), tmp_path)
+    reordered = train_parity(pools, 1, dp(2, 1), tmp_path)
     floor = max_relative_differences(reordered, reference("single_process"))
     for key, value in floor.items():
         assert value * 10 <= TOLERANCE[key], (key, value, TOLERANCE[key], floor)
@@ -98,7 +98,7 @@ def test_noise_floor_is_far_below_the_tolerance(reference, pools, tmp_path):
 def test_validation_leaves_training_untouched(reference, pools, tmp_path):
     """Regression: a validation forward (no_grad) left FSDP's unresharded parameters gathered, and the next
     training step computed no gradient for them (grad norm 0.65 instead of 2.74 after step 5)."""
-    no_validation = train_layout(pools, 1, (*dp(8, 1), "--validation.enable", "false"), tmp_path)
+    no_validation = train_parity(pools, 1, (*dp(8, 1), "--validation.enable", "false"), tmp_path)
     with_validation = reference("single_process")
     for got, ref in zip(no_validation["metrics"], with_validation["metrics"], strict=True):
         assert (got["loss"], got["grad_norm"]) == (ref["loss"], ref["grad_norm"]), (got, ref)
@@ -115,7 +115,7 @@ def test_the_suite_catches_averaged_gradients(case, nproc, args, reference_name,
     """The deliberate mutation the suite must fail on: data parallelism averaging gradients on top of the
     global-token normalisation. Under AdamW the loss barely moves (the update is nearly scale-free, and with
     clipping on every clipped step is identical), so it is the gradient norm that must expose it."""
-    run = train_layout(pools, nproc, args, tmp_path, faults=(("average_gradients",),))
+    run = train_parity(pools, nproc, args, tmp_path, faults=(("average_gradients",),))
     problems = compare(run, reference(reference_name))
     assert any("grad_norm" in p for p in problems), problems[:5]
     # Averaging over 2 ranks halves every gradient: the norm is off by a factor of 2 from the first step.
@@ -142,7 +142,7 @@ def test_the_harness_sees_one_wrong_gradient(case, nproc, args, norm_factor, ref
     from the initial weights, so each mutated tensor's comparison is independent of the others there, and every
     one of them must fail on its own while no other tensor does."""
     factors = {**dict.fromkeys(_NORMS, norm_factor), _PROJECTION: 1 / norm_factor}
-    run = train_layout(pools, nproc, args, tmp_path, faults=(("scale_gradients", factors),))
+    run = train_parity(pools, nproc, args, tmp_path, faults=(("scale_gradients", factors),))
     ref = reference("single_process")
     flagged = {line.split(" ")[2] for line in compare(run, ref) if line.startswith("step 1:") and "gradient" in line}
     assert flagged == set(factors), sorted(flagged ^ set(factors))
@@ -166,8 +166,8 @@ def test_float8_scales_come_from_the_whole_tensor(pools, tmp_path):
     def unrounded(args: tuple[str, ...]) -> tuple[str, ...]:
         return (*args, "--float8.round_scales_to_power_of_2", "false")
 
-    ref = train_layout(pools, 1, unrounded(REFERENCES["single_process_float8"].overrides), tmp_path / "ref")
-    runs = {fault: train_layout(pools, layout.nproc, unrounded(layout.overrides), tmp_path / str(fault),
+    ref = train_parity(pools, 1, unrounded(REFERENCES["single_process_float8"].overrides), tmp_path / "ref")
+    runs = {fault: train_parity(pools, layout.nproc, unrounded(layout.overrides), tmp_path / str(fault),
                                 faults=((fault,),) if fault else ()) for fault in (None, "local_float8_amax")}
     metric_problems = {fault: [line for line in compare(run, ref) if line.split(": ")[1].split()[0] in TOLERANCE]
                        for fault, run in runs.items()}
@@ -177,15 +177,25 @@ def test_float8_scales_come_from_the_whole_tensor(pools, tmp_path):
 
 
 def test_the_harness_sees_values_in_the_wrong_place(reference, pools, tmp_path):
-    """One weight's values rolled by one place after step 3: its norm and its whole-tensor sums stay equal, the
+    """One weight's values rolled by one place after step 2: its norm and its whole-tensor sums stay equal, the
     position-dependent fingerprint (random projections) must not."""
-    run = train_layout(pools, 1, dp(4, 1), tmp_path, faults=(("misplace_values", _PROJECTION, 3),))
+    run = train_parity(pools, 1, dp(4, 1), tmp_path, faults=(("misplace_values", _PROJECTION, 2),))
     ref = reference("single_process")
     problems = compare(run, ref)
-    assert any(line.startswith(f"step 3: {_PROJECTION} values") for line in problems), problems[:5]
-    assert not any(line.startswith("step 2:") for line in problems), problems[:5]
-    norm_then, norm_ref = run["params"][2][_PROJECTION][0][0], ref["params"][2][_PROJECTION][0][0]
+    assert any(line.startswith(f"step 2: {_PROJECTION} values") for line in problems), problems[:5]
+    assert not any(line.startswith("step 1:") for line in problems), problems[:5]
+    norm_then, norm_ref = run["params"][1][_PROJECTION][0][0], ref["params"][1][_PROJECTION][0][0]
     assert abs(norm_then - norm_ref) <= TOLERANCE["param"] * norm_ref
+
+
+def test_the_harness_sees_a_wrong_optimizer_state(reference, pools, tmp_path):
+    """Under FSDP 2 one rank's shard of one tensor's first moment doubled after the last update: the parameters were
+    updated before it, so only the comparison of AdamW's state after the last step can see it, and must flag exactly
+    that tensor's moment."""
+    run = train_parity(pools, 2, dp(2, 2), tmp_path, faults=(("scale_moment", _PROJECTION, "exp_avg", 2.0, STEPS, 1),))
+    problems = compare(run, reference("single_process"), tensors=TENSOR_TOLERANCE["single_process"])
+    assert [line.split(" off by")[0] for line in problems] == [f"after step {STEPS}: {_PROJECTION} exp_avg"], \
+        problems[:5]
 
 
 # Under TP the row-wise layers' B (wo, w2) is replicated and each rank computes a partial sum of its gradient (over
@@ -199,11 +209,11 @@ def test_the_harness_sees_lora_bugs_under_tp(reference, pools, tmp_path):
     gradient taken as whole, where exactly the row-wise layers' B gradients must be off at step 1 (A's gradient is
     zero there since B starts at zero, and nothing else has changed yet); and a norm left trainable, which the
     harness must report as trainable in only one run and with a gradient at every step."""
-    run = train_layout(pools, 2, (*dp(8, 1), "--parallelism.tensor_parallel_degree", "2", *LORA), tmp_path,
+    run = train_parity(pools, 2, (*dp(8, 1), "--parallelism.tensor_parallel_degree", "2", *LORA), tmp_path,
                        faults=(("partial_adapter_grads",), ("unfreeze", _NORM)))
     problems = compare(run, reference("single_process_lora"), tensors=TENSOR_TOLERANCE["single_process_lora"])
     flagged = {line.split(" ")[2] for line in problems if line.startswith("step 1:") and "gradient norm" in line}
     assert flagged == _ROW_WISE_B, sorted(flagged ^ _ROW_WISE_B)
     assert f"frozen in only one of the runs: ['{_NORM}']" in problems, problems[:5]
-    for step in (1, 2, 3):
+    for step in range(1, STEPS + 1):
         assert f"step {step}: frozen parameters have gradients: ['{_NORM}']" in problems, problems[:5]
