@@ -69,7 +69,7 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
                fingerprints: bool = True) -> dict | None:
     """Train one layout on this rank; rank 0 returns {"metrics": [...], "params": [...], "grads": [...]} (per
     step; see tensor_fingerprints) and {"exp_avg": ..., "exp_avg_sq": ...} (AdamW's moments after the last step),
-    the others None.
+    the others None; a compiled layout adds how many graphs dynamo traced ("compiled_graphs").
 
     expect="setup_error": building the Trainer must fail with a one-line ValueError (as `run()` reports it);
     expect="training_error": training must stop with a TrainingError. Every rank then returns {"error": message}
@@ -96,6 +96,10 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
         raise
     assert expect != "setup_error", "the layout was expected to fail during setup, but the Trainer was built"
     undo = [FAULTS[fault[0]](trainer, *fault[1:]) for fault in faults]
+    if cfg.compile.enable:
+        from torch._dynamo.utils import counters
+
+        counters.clear()  # this layout's graphs only (the pool's ranks outlive layouts)
     # Frozen parameters (LoRA's base weights, norms, embeddings) get no gradient and must never change: their
     # fingerprints after every step are compared bit for bit with these (the same ranks sum them in the same order).
     frozen = frozen_names(trainer.model_parts)
@@ -130,8 +134,9 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
     metrics_file = Path(dump_folder) / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line] \
         if metrics_file.exists() else []
+    graphs = {"compiled_graphs": counters["stats"]["unique_graphs"]} if cfg.compile.enable else {}
     return {**result, "metrics": metrics, "params": params, "grads": grads, **moments, "frozen": sorted(frozen),
-            "initial": initial}
+            "initial": initial, **graphs}
 
 
 def frozen_names(model_parts: list[torch.nn.Module]) -> set[str]:

@@ -133,32 +133,6 @@ def test_tp2_matches_single_process(tp_results, flavor, loss_parallel, ac, compi
             assert diff <= 1e-5 * ref_max, (name, diff)
 
 
-def _compiled_graphs_rank(rank: int) -> int:
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    with torch.device("meta"):
-        model = Transformer(_args())
-    apply_tp(model, mesh, loss_parallel=True, block_plan=tp_block_plan())
-    apply_compile(model, "eager")  # dynamo's tracing and guards without inductor's code generation
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"), param_init=param_init)
-    inputs, labels = _batch()
-    with loss_parallel_context(True):
-        cross_entropy_sum(model(inputs), labels).backward()
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def test_compiled_tp_blocks_share_one_graph():
-    # Every block traces to the same graph, so one compile serves them all: the embedding's sequence-parallel
-    # reduce-scatter reaches the first block waited, like every later block's input (a recompile for the first
-    # block, on an AsyncCollectiveTensor local, doubled compile time; torchtitan/distributed/tensor_parallel.py).
-    assert run_ranks(_compiled_graphs_rank, timeout=300) == [1, 1]
-
-
 def _clip_rank(rank: int) -> list[float]:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
