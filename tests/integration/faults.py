@@ -79,14 +79,20 @@ def _scale_gradients(trainer, factors: dict[str, float]) -> Callable[[], None]:
     return lambda: setattr(step_module, "total_grad_norm", total_grad_norm)
 
 
+def _param_and_optimizer(trainer, name: str) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    """The named parameter on this rank and the optimizer (of its model part) that steps it."""
+    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
+    (optimizer,) = [opt for opt in trainer.optimizer.optimizers
+                    if any(p is param for group in opt.param_groups for p in group["params"])]
+    return param, optimizer
+
+
 def _misplace_values(trainer, name: str, step: int) -> None:
     """After step `step`, the named parameter's values rolled by one place along its last dimension on every rank
     that holds a piece of it: the same values in the wrong places (the bug a shard written at a wrong offset makes),
     invisible to whole-tensor sums."""
-    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
+    param, optimizer = _param_and_optimizer(trainer, name)
     local = param.to_local() if isinstance(param, DTensor) else param
-    (optimizer,) = [opt for opt in trainer.optimizer.optimizers
-                    if any(p is param for group in opt.param_groups for p in group["params"])]
 
     def hook(optimizer, args, kwargs):
         if trainer.guard.step == step:
@@ -147,9 +153,7 @@ def _scale_moment(trainer, name: str, of: str, factor: float, step: int, rank: i
     """After step `step`'s update, this rank's part of the named parameter's optimizer state `of` (exp_avg or
     exp_avg_sq) scaled by `factor`: one shard of the state wrong (the bug a state resharded or loaded at a wrong
     offset makes), which the parameters show only at a later step."""
-    (param,) = [p for n, p in named_parameters(trainer.model_parts) if n == name]
-    (optimizer,) = [opt for opt in trainer.optimizer.optimizers
-                    if any(p is param for group in opt.param_groups for p in group["params"])]
+    param, optimizer = _param_and_optimizer(trainer, name)
 
     def hook(optimizer, args, kwargs):
         if trainer.guard.step == step and dist.get_rank() == rank:

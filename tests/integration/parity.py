@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.integration.faults import FAULTS
@@ -97,8 +98,6 @@ def run_layout(argv: list[str], dump_folder: str, faults: tuple = (), expect: st
     assert expect != "setup_error", "the layout was expected to fail during setup, but the Trainer was built"
     undo = [FAULTS[fault[0]](trainer, *fault[1:]) for fault in faults]
     if cfg.compile.enable:
-        from torch._dynamo.utils import counters
-
         counters.clear()  # this layout's graphs only (the pool's ranks outlive layouts)
     # Frozen parameters (LoRA's base weights, norms, embeddings) get no gradient and must never change: their
     # fingerprints after every step are compared bit for bit with these (the same ranks sum them in the same order).
