@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.forking import free_port
 from tests.unit.forked import run_ranks
 from torchtitan.rl.loss import group_advantages
 
@@ -21,6 +26,7 @@ ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--tra
         # Each rank's share in uneven micro-batches (16 completions: 5+5+5+1 on one rank, 5+3 on two), each scored
         # in chunks of positions recomputed in the backward: every layout below runs them.
         "--rl.micro_batch_size", "5", "--training.loss_chunks", "3"]
+REPO = Path(__file__).resolve().parents[2]
 # Timings and throughputs differ run to run; everything else must not.
 NOISY = ("time/", "gen_tps", "train_tps")
 
@@ -98,14 +104,41 @@ def test_metrics_are_written_and_consistent(straight):
     assert all(math.isfinite(line["entropy"]) and line["entropy"] > 0 for line in lines)
 
 
-def test_resume_continues_identically(straight, tmp_path):
+def _complete_steps(dump: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*")
+                  if p.name.count("-") == 1 and (p / ".complete").exists())
+
+
+def test_kill_9_mid_run_then_resume_continues_identically(straight, tmp_path):
+    """The entry point saving every step is killed (SIGKILL) once step 2 is logged, in step 3 or step 2's save; a
+    fresh process resumes from the newest complete checkpoint (policy, optimizer, buffer, data cursor, RNG, policy
+    version) and logs what the uninterrupted run logged."""
     dump, _ = straight
-    run(tmp_path, until=2)
-    run(tmp_path)  # a fresh process: resumes from step-2
-    assert (tmp_path / "checkpoint" / "step-2").is_dir()
-    lines = dump_folder_metrics(tmp_path)
-    assert [line["step"] for line in lines] == [1, 2, 3, 4]
-    assert comparable(lines) == comparable(dump_folder_metrics(dump))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, "-m", "torchtitan.rl.train", *ARGS, "--job.dump_folder", str(tmp_path),
+           "--checkpoint.interval", "1"]
+    metrics = tmp_path / "metrics.jsonl"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 120
+            while proc.poll() is None and time.time() < deadline and (
+                    not metrics.exists() or metrics.read_text().count("\n") < 2):
+                time.sleep(0.01)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    killed_text = metrics.read_text()
+    logged = [json.loads(line)["step"] for line in killed_text.splitlines()]
+    assert logged in ([1, 2], [1, 2, 3]), (tmp_path / "killed.log").read_text()[-3000:]  # killed mid-run
+    newest = _complete_steps(tmp_path)[-1]
+    assert newest >= 1
+    resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text()[len(killed_text):].splitlines()]
+    assert [line["step"] for line in lines] == list(range(newest + 1, 5))
+    assert comparable(lines) == comparable(dump_folder_metrics(dump))[newest:]
 
 
 # 4 drawn groups, 2 per mini-batch, 2 epochs: 4 optimizer updates per step.
