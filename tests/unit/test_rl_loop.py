@@ -51,8 +51,8 @@ def _train(rank: int, dump: str, extra: list[str], until: int | None, check: boo
     if check:
         update = trainer.update
 
-        def checked_update(batch):
-            out = update(batch)
+        def checked_update(batch, step):
+            out = update(batch, step)
             for g in batch:  # the advantages are the group-normalised rewards
                 want = group_advantages(torch.tensor([g.rewards]), True)[0].tolist()
                 assert g.advantages == pytest.approx(want, abs=1e-6)
@@ -152,7 +152,7 @@ def ppo(tmp_path_factory):
     return dump
 
 
-def test_ppo_epochs_and_mini_batches(straight, ppo):
+def test_ppo_epochs_and_mini_batches(straight, ppo, tmp_path):
     dump, _ = straight
     lines, base = dump_folder_metrics(ppo), dump_folder_metrics(dump)[:2]
     assert [line["updates"] for line in lines] == [4, 4] and [line["updates"] for line in base] == [1, 1]
@@ -163,6 +163,11 @@ def test_ppo_epochs_and_mini_batches(straight, ppo):
     # Averaged over the updates: the first is on-policy (ratio 1), the three after it are not.
     assert abs(lines[0]["ratio_mean"] - 1.0) > 1e-4 and lines[0]["clip_frac"] > 0
     assert lines[0]["tokens_seen"] == base[0]["tokens_seen"]  # the drawn response tokens, once
+    # Each pass reshuffles the groups into mini-batches (rl.shuffle_mini_batches): in drawn order, the same rollouts
+    # make other updates.
+    run(tmp_path, extra=[*PPO, "--rl.shuffle_mini_batches", "false"], until=1)
+    drawn_order = dump_folder_metrics(tmp_path)[0]
+    assert drawn_order["reward_mean"] == lines[0]["reward_mean"] and drawn_order["loss"] != lines[0]["loss"]
 
 
 def test_ppo_on_fsdp_matches_one_process(ppo, tmp_path):

@@ -159,10 +159,18 @@ def test_a_second_mini_batch_trains_off_policy():
         stat_means(r)["clip_frac"] for r in results)
 
 
-def test_mini_batches_split_in_drawn_order():
+def test_mini_batches_split_in_drawn_order_or_reshuffled_each_pass():
     assert list(mini_batches([1, 2, 3, 4], 2, 2)) == [[1, 2], [3, 4], [1, 2], [3, 4]]
     assert list(mini_batches([1, 2, 3], 2, 1)) == [[1, 2], [3]]  # a short draw: the last update is smaller
     assert list(mini_batches([1, 2, 3], 0, 1)) == [[1, 2, 3]]
+    groups = list(range(8))
+    shuffled = list(mini_batches(groups, 2, 3, shuffle_seed=5))
+    passes = [sum(shuffled[k:k + 4], []) for k in (0, 4, 8)]
+    assert all(sorted(p) == groups for p in passes)  # every pass trains each group once
+    assert len({tuple(p) for p in passes} | {tuple(groups)}) == 4  # each in its own order
+    assert shuffled == list(mini_batches(groups, 2, 3, shuffle_seed=5))  # every rank, and a resumed run, alike
+    assert shuffled != list(mini_batches(groups, 2, 3, shuffle_seed=6))  # the seed includes the step
+    assert list(mini_batches(groups, 0, 2, shuffle_seed=5)) == [groups, groups]  # one mini-batch: nothing to shuffle
 
 
 # A model whose output layer dwarfs everything else: 4 x 127 positions x 8192 vocabulary x 4 bytes = 16 MiB of fp32

@@ -356,6 +356,8 @@ class Rl:
     """Passes over each step's drawn groups; each pass makes one optimizer step per mini-batch"""
     mini_batch_size: int = 0
     """Groups per optimizer step: the drawn groups make ceil(groups / this) steps per pass (0: one step per pass)"""
+    shuffle_mini_batches: bool = True
+    """Each pass cuts the drawn groups into mini-batches in a fresh order, seeded by run seed, step and pass"""
     micro_batch_size: int = 0
     """Completions per forward/backward on each data-parallel rank, gradients accumulated (0: its whole share)"""
     max_new_tokens: int = 64

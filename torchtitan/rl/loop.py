@@ -156,7 +156,7 @@ class GRPOTrainer:
         dropped = state.buffer.add(groups)
         batch = state.buffer.sample(self.train_groups, state.version)
         with t("train"):
-            stats = self.update(batch) if batch else None  # ppo_epochs x mini-batches optimizer steps
+            stats = self.update(batch, step) if batch else None  # ppo_epochs x mini-batches optimizer steps
         with t("sync"):
             if stats is not None:
                 state.version += 1
@@ -180,15 +180,16 @@ class GRPOTrainer:
             groups = [g for part in gathered for g in part]
         return sorted(groups, key=lambda g: g.index)
 
-    def update(self, batch: list[Group]) -> dict[str, Any]:
+    def update(self, batch: list[Group], step: int) -> dict[str, Any]:
         """rl.ppo_epochs passes over the drawn groups, one optimizer update per mini-batch (update.py)."""
         rl = self.rl
+        shuffle_seed = self.seed * 1_000_003 + step if rl.shuffle_mini_batches else None
         self.step_lr = self.optimizer.param_groups[0]["lr"]
         results = [policy_update(self.model_parts, self.optimizer, samples_of(mini), self.loss_settings,
                                  device=self.device, dp_mesh=self.dp_mesh, micro_batch_size=rl.micro_batch_size,
                                  multiple=self.tp, reference=self.reference, autocast=self.autocast,
                                  loss_parallel=self.loss_parallel, max_norm=self.cfg.training.max_norm)
-                   for mini in mini_batches(batch, rl.mini_batch_size, rl.ppo_epochs)]
+                   for mini in mini_batches(batch, rl.mini_batch_size, rl.ppo_epochs, shuffle_seed)]
         # Once per RL step with an update, however many it made: training.steps stays the schedule's length.
         self.lr_scheduler.step()
         self.train_state.tokens_seen += sum(len(c) for g in batch for c in g.completions)

@@ -17,6 +17,7 @@ rank, the accumulated gradient is the gradient of the whole update in one forwar
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,14 +48,18 @@ def logit_chunks(configured: int, tokens: int, vocab: int) -> int:
     return configured if configured > 0 else max(1, -(-tokens * vocab * 4 // AUTO_LOSS_CHUNK_BYTES))
 
 
-def mini_batches(groups: list, size: int, epochs: int) -> Iterator[list]:
-    """`epochs` passes over `groups` in their drawn order, `size` groups per optimizer update (0: all of them). A draw
-    that `size` does not divide (the buffer held fewer groups than rl.train_groups) ends each pass with a smaller
-    one. The same split every pass: no randomness, so nothing to checkpoint."""
+def mini_batches(groups: list, size: int, epochs: int, shuffle_seed: int | None = None) -> Iterator[list]:
+    """`epochs` passes over `groups`, `size` groups per optimizer update (0: all of them). Each pass cuts them in the
+    drawn order, or, with `shuffle_seed` and more than one mini-batch per pass, in an order drawn afresh for each pass
+    from (shuffle_seed, pass): the same on every rank and in a resumed run, so nothing to checkpoint. A draw that
+    `size` does not divide (the buffer held fewer groups than rl.train_groups) ends each pass with a smaller one."""
     size = size or len(groups)
-    for _ in range(epochs):
-        for start in range(0, len(groups), size):
-            yield groups[start:start + size]
+    for epoch in range(epochs):
+        order = list(groups)
+        if shuffle_seed is not None and size < len(order):
+            random.Random(shuffle_seed * 1_000_003 + epoch).shuffle(order)
+        for start in range(0, len(order), size):
+            yield order[start:start + size]
 
 
 def samples_of(groups: list) -> list[Sample]:
