@@ -62,7 +62,7 @@ def _generate_rank(rank: int, family: str) -> dict:
     spec, args = _args(family)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    gen = TPGenerator(model, _tp_mesh(), device="cpu")
+    gen = TPGenerator(model, _tp_mesh(), spec.tp_block_plan, device="cpu")
     whole = _whole(family)
     gen.update_weights(dict(whole.named_parameters()), version=1)  # whole tensors: each rank cuts its shard
     out = {"greedy": _completions(gen.generate(PROMPTS, GREEDY)), "cache_bytes": gen.cache_bytes,
@@ -73,7 +73,7 @@ def _generate_rank(rank: int, family: str) -> dict:
     gen.model(torch.tensor([PROMPTS[0][:4]]), cache=cache)
     out["cache_shapes"] = [tuple(b.shape) for b in cache.layer("0").buffers]
     # A materialised whole model is cut in place (its tie kept): the same tokens without an update_weights.
-    cut = TPGenerator(_whole(family), _tp_mesh())
+    cut = TPGenerator(_whole(family), _tp_mesh(), spec.tp_block_plan)
     out["cut_greedy"] = _completions(cut.generate(PROMPTS, GREEDY))
     out["cut_params"] = len(list(cut.model.parameters())) == len(list(whole.parameters()))
     try:  # tp ranks handed different prompts must stop with an error, not hang in a collective
@@ -149,6 +149,24 @@ def test_moe_and_indivisible_shapes_are_refused() -> None:
     assert any("n_kv_heads=2 is not divisible" in e for e in generation_tp_errors(dense, 4))
 
 
+def test_split_follows_the_training_plan_and_refuses_what_it_cannot_place() -> None:
+    from torchtitan.distributed.generation_tp import COLS, ROWS, _plan
+
+    spec, args = _args("qwen3_tied")
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    dims, rowwise = _plan(model, spec.tp_block_plan)
+    assert rowwise == [f"layers.{i}.{m}" for i in "01" for m in ("attention.wo", "feed_forward.w2")]
+    assert dims["layers.1.attention.wk.weight"] == dims["layers.0.feed_forward.w3.weight"] == ROWS
+    assert dims["layers.0.feed_forward.w2.weight"] == COLS and dims["tok_embeddings.weight"] == ROWS
+    assert dims["layers.0.attention.q_norm.weight"] is None and dims["norm.weight"] is None
+    # a parameter nested in a split module (an adapter, say) has no split of its own: refused, never replicated
+    with torch.device("meta"):
+        model.layers["1"].attention.wq.adapter = torch.nn.Linear(64, 4, bias=False)
+    with pytest.raises(ValueError, match="no placement for parameter layers.1.attention.wq.adapter.weight"):
+        _plan(model, spec.tp_block_plan)
+
+
 class _Collectives(TorchDispatchMode):
     """Records every functional collective (DTensor's redistribute issues them) with its output's bytes."""
 
@@ -180,7 +198,7 @@ def _sync_rank(rank: int, dp_shard: int) -> dict:
     materialize([policy], torch.device("cpu"), 7, param_init)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    gen = TPGenerator(model, dims.mesh("tp"), device="cpu")
+    gen = TPGenerator(model, dims.mesh("tp"), spec.tp_block_plan, device="cpu")
     with _Collectives() as log:
         gen.update_weights(sharded_state_dict([policy]), version=3)
     return {"shards": {name: p for name, p in gen.model.named_parameters()}, "calls": log.calls,

@@ -2,8 +2,9 @@
 
 A decode step feeds one token per row, so training's sequence parallel has nothing to shard; what is worth
 splitting over the tp ranks is the weights and the KV cache. `shard_for_generation` cuts a whole model of
-torchtitan/models into this rank's shards, with the same split as training's plan (torchtitan/distributed/
-tensor_parallel.py and the families' parallelize.py), so that a training parameter's tp shard IS the generator's:
+torchtitan/models into this rank's shards, with the same split as training's plan, read from it (the family's
+block plan, ModelSpec.tp_block_plan, and torchtitan/distributed/tensor_parallel.py's for the embedding and output),
+so that a training parameter's tp shard IS the generator's:
 
 - attention: wq, wk, wv (MLA: wq or wq_b, and wkv_b) row blocks (column-wise, whole heads per rank); wo column
   blocks (row-wise), whose partial outputs are summed over tp (one all-reduce);
@@ -18,9 +19,9 @@ tensor_parallel.py and the families' parallelize.py), so that a training paramet
 The parameters are plain local tensors, not DTensors: the model code reads head counts from its tensors, so it
 runs unchanged on local heads (MLA's latent attention reshapes wkv_b's weight by the local head count, which a
 DTensor's global shape would break), and a decode step pays no DTensor dispatch. The collectives are forward hooks
-on `wo`, `w2` and `output` (and the embedding's own forward), three all-reduces and one all-gather per block pair
-and step. Every rank's residual stream, and so its logits, are bit for bit the same; given the same seed the ranks
-then sample the same tokens, and stop together.
+on the plan's row-wise modules (`wo`, `w2`) and `output` (and the embedding's own forward), three all-reduces and one
+all-gather per block pair and step. Every rank's residual stream, and so its logits, are bit for bit the same;
+given the same seed the ranks then sample the same tokens, and stop together.
 
 The KV cache (torchtitan/generation/kv_cache.py) allocates its buffers from the keys and values it is handed,
 which here are this rank's heads: Llama and Qwen3 caches shrink by tp. MLA caches the per-token latent shared by
@@ -38,7 +39,7 @@ vocabulary not divisible by tp).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from torchtitan.config.validate import tp_divisibility_errors
 
@@ -80,36 +82,37 @@ def generation_tp_errors(model: nn.Module, tp: int) -> list[str]:
     return [] if args is None else tp_divisibility_errors(args, tp, {})  # training's rules, without the sequence
 
 
-def _plan(model: nn.Module) -> dict[str, int | None]:
-    """Parameter name -> split dim (ROWS, COLS or None), for every parameter of `model`; raises on one it does not
-    know, rather than replicate (and silently mis-shard) a projection added later."""
+def _plan(model: nn.Module, block_plan: Callable[[nn.Module], dict]) -> tuple[dict[str, int | None], list[str]]:
+    """(parameter name -> split dim, for every parameter of `model`; the row-wise modules, whose partial outputs are
+    summed over tp), read from training's plans: the embedding and output projection on the vocabulary (tensor_
+    parallel.py's plan of the modules every family names alike), and in each block what the family's `block_plan`
+    makes column-wise (a Linear's weight split on its rows, the output features) or row-wise (on its columns). Every
+    other parameter is held whole, as training holds it on every tp rank (norms, MLA's low-rank projections). One
+    inside a split module but not its weight or bias (an adapter, say) raises: it would need a split of its own."""
     plan: dict[str, int | None] = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings.weight"] = ROWS
     if model.output is not None:
         plan["output.weight"] = ROWS  # tied or not: both split the [vocab, dim] matrix on the vocabulary
+    rowwise, split_modules = [], []
     for key, block in model.layers.items():
-        attn = block.attention
-        if hasattr(attn, "wkv_b"):  # MLA: heads are expanded by wq / wq_b and wkv_b
-            cols = ["wq", "wq_b", "wkv_b"]
-        else:
-            cols = ["wq", "wk", "wv"]
-        for name in cols:
-            if getattr(attn, name, None) is not None:
-                plan[f"layers.{key}.attention.{name}.weight"] = ROWS
-        plan[f"layers.{key}.attention.wo.weight"] = COLS
-        for name in ("w1", "w3"):
-            plan[f"layers.{key}.feed_forward.{name}.weight"] = ROWS
-        plan[f"layers.{key}.feed_forward.w2.weight"] = COLS
+        for name, style in block_plan(block).items():
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue
+            path = f"layers.{key}.{name}"
+            split_modules.append(path)
+            colwise = isinstance(style, ColwiseParallel)
+            plan[f"{path}.weight"] = ROWS if colwise else COLS
+            if getattr(model.get_submodule(path), "bias", None) is not None:
+                plan[f"{path}.bias"] = ROWS if colwise else None  # a row-wise bias is added once, after the sum
+            if not colwise:
+                rowwise.append(path)
     out = {}
     for name, _ in model.named_parameters():
-        if name in plan:
-            out[name] = plan[name]
-        elif name.endswith("norm.weight") or name.rsplit(".", 2)[-2] in ("wq_a", "wkv_a"):
-            out[name] = None
-        else:
+        if name not in plan and any(name.startswith(f"{path}.") for path in split_modules):
             raise ValueError(f"the tensor-parallel generator has no placement for parameter {name}")
-    return out
+        out[name] = plan.get(name)
+    return out, rowwise
 
 
 class VocabShardEmbedding(nn.Embedding):
@@ -159,9 +162,10 @@ def _gather_vocab(group: Any, size: int):
 
 
 @torch.no_grad()
-def shard_for_generation(model: nn.Module, tp_mesh) -> GenerationTP:
+def shard_for_generation(model: nn.Module, tp_mesh, block_plan: Callable[[nn.Module], dict]) -> GenerationTP:
     """Replace, in place, every parameter of `model` (a whole model of torchtitan/models, on `meta` or
-    materialised) by this rank's shard over the 1-D `tp_mesh`, and install the collectives (module doc). On `meta`
+    materialised) by this rank's shard over the 1-D `tp_mesh`, split as its family's training `block_plan`
+    (ModelSpec.tp_block_plan) splits it, and install the collectives (module doc). On `meta`
     nothing is allocated: `to_empty` then allocates the shards only. A materialised model's shards are copied out
     (the whole tensors are freed when nothing else holds them)."""
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
@@ -170,7 +174,7 @@ def shard_for_generation(model: nn.Module, tp_mesh) -> GenerationTP:
         raise ValueError("; ".join(errors))
     names = tp_mesh.mesh_dim_names
     tp = GenerationTP(group=tp_mesh.get_group(), rank=rank, size=size, mesh_dim_name=names[0] if names else None)
-    tp.split_dims = _plan(model)
+    tp.split_dims, rowwise = _plan(model, block_plan)
     tied = (model.output is not None and model.tok_embeddings is not None
             and model.output.weight is model.tok_embeddings.weight)
     replaced: dict[int, nn.Parameter] = {}  # a tied weight is cut once and shared again
@@ -190,9 +194,8 @@ def shard_for_generation(model: nn.Module, tp_mesh) -> GenerationTP:
         model.tok_embeddings = VocabShardEmbedding(weight, rank * weight.shape[0], tp.group)
     if tied:
         model.output.weight = model.tok_embeddings.weight
-    for block in model.layers.values():
-        tp.handles.append(block.attention.wo.register_forward_hook(_sum_over_tp(tp.group)))
-        tp.handles.append(block.feed_forward.w2.register_forward_hook(_sum_over_tp(tp.group)))
+    for path in rowwise:
+        tp.handles.append(model.get_submodule(path).register_forward_hook(_sum_over_tp(tp.group)))
     if model.output is not None:
         tp.handles.append(model.output.register_forward_hook(_gather_vocab(tp.group, size)))
     return tp

@@ -30,6 +30,9 @@ class TorchSide:
     nparams_and_flops_fn: Callable[[nn.Module, Any, int], tuple[int, int]]
     """(model, model_args, seq_len) -> (total parameters, training FLOPs per token)"""
     state_dict_adapter: type | None = None
+    tp_block_plan: Callable[[nn.Module], dict] | None = None
+    """block -> {module name: ParallelStyle}: tensor parallel inside a block, read by training's TP and by the
+    tensor-parallel generator (torchtitan/distributed/generation_tp.py), so both split a weight alike"""
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,8 @@ class ModelSpec:
     flavors: dict[str, Any]
     """flavor name -> model-args dataclass instance"""
     load_torch_side: Callable[[], TorchSide]
-    """imports the model's torch side; called on first use of model_cls, parallelize_fn, nparams_and_flops_fn or
-    state_dict_adapter"""
+    """imports the model's torch side; called on first use of model_cls, parallelize_fn, nparams_and_flops_fn,
+    state_dict_adapter or tp_block_plan"""
     pipeline_input_fqns: tuple[str, ...] = ()
     """modules before the blocks (`layers.<i>`), on the first pipeline stage"""
     pipeline_output_fqns: tuple[str, ...] = ()
@@ -67,6 +70,10 @@ class ModelSpec:
     @property
     def state_dict_adapter(self) -> type | None:
         return self.load_torch_side().state_dict_adapter
+
+    @property
+    def tp_block_plan(self) -> Callable[[nn.Module], dict] | None:
+        return self.load_torch_side().tp_block_plan
 
 
 def register_model_spec(spec: ModelSpec) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,17 +129,18 @@ class TPGenerator(LocalGenerator):
     otherwise desynchronise the per-token collectives) and gets the same completions; `update_weights` is a
     collective over the policy's whole mesh."""
 
-    def __init__(self, model: nn.Module, tp_mesh, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, tp_mesh, block_plan: Callable[[nn.Module], dict],
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         """`model`: a whole model of torchtitan/models (dense), best on the `meta` device, where only this rank's
         shards are ever allocated, on `device` (its weights are then undefined until the first `update_weights`);
         a materialised model is cut in place. `tp_mesh`: the 1-D tp mesh, the training's (ParallelDims.mesh("tp")),
-        so that a policy parameter's tp shard is this generator's. `dtype`: the copy's dtype (bf16 on a GPU, as
+        so that a policy parameter's tp shard is this generator's. `block_plan`: the family's training plan inside a
+        block (ModelSpec.tp_block_plan), which the split follows. `dtype`: the copy's dtype (bf16 on a GPU, as
         LocalGenerator's)."""
         from torchtitan.distributed.generation_tp import shard_for_generation
 
         on_meta = any(p.is_meta for p in model.parameters())
-        self.tp = shard_for_generation(model, tp_mesh)
+        self.tp = shard_for_generation(model, tp_mesh, block_plan)
         if on_meta:
             if device is None:
                 raise ValueError("TPGenerator: a model on the meta device needs `device`")

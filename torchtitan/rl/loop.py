@@ -246,7 +246,7 @@ class GRPOTrainer:
         if self.tp > 1 and not generation_tp_errors(model, self.tp):
             self.gen_rank, self.gen_ranks = self.dp_rank, self.dp_size
             self.gen_owner = pdims.mesh("tp").get_local_rank() == 0
-            return TPGenerator(model, pdims.mesh("tp"), device=self.device, dtype=dtype)
+            return TPGenerator(model, pdims.mesh("tp"), spec.tp_block_plan, device=self.device, dtype=dtype)
         self.gen_rank, self.gen_ranks, self.gen_owner = self.rank, self.world, True
         return LocalGenerator(self._whole_model(spec, model_args, dtype))
 

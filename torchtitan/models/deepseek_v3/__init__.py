@@ -15,10 +15,10 @@ from torchtitan.models.registry import ModelSpec, TorchSide, register_model_spec
 def _torch_side() -> TorchSide:
     from torchtitan.models.deepseek_v3.hf_adapter import DeepSeekV3StateDictAdapter
     from torchtitan.models.deepseek_v3.model import DeepSeekV3Transformer, get_nparams_and_flops
-    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
+    from torchtitan.models.deepseek_v3.parallelize import deepseek_tp_block_plan, parallelize_deepseek_v3
 
     return TorchSide(DeepSeekV3Transformer, parallelize_deepseek_v3, get_nparams_and_flops,
-                     DeepSeekV3StateDictAdapter)
+                     DeepSeekV3StateDictAdapter, deepseek_tp_block_plan)
 
 
 register_model_spec(

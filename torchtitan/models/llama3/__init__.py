@@ -8,9 +8,9 @@ from torchtitan.models.registry import ModelSpec, TorchSide, register_model_spec
 def _torch_side() -> TorchSide:
     from torchtitan.models.llama3.hf_adapter import Llama3StateDictAdapter
     from torchtitan.models.llama3.model import Transformer, get_nparams_and_flops
-    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.llama3.parallelize import parallelize_llama, tp_block_plan
 
-    return TorchSide(Transformer, parallelize_llama, get_nparams_and_flops, Llama3StateDictAdapter)
+    return TorchSide(Transformer, parallelize_llama, get_nparams_and_flops, Llama3StateDictAdapter, tp_block_plan)
 
 
 register_model_spec(

@@ -8,9 +8,10 @@ from torchtitan.models.registry import ModelSpec, TorchSide, register_model_spec
 def _torch_side() -> TorchSide:
     from torchtitan.models.qwen3.hf_adapter import Qwen3StateDictAdapter
     from torchtitan.models.qwen3.model import Qwen3Transformer, get_nparams_and_flops
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3, qwen3_tp_block_plan
 
-    return TorchSide(Qwen3Transformer, parallelize_qwen3, get_nparams_and_flops, Qwen3StateDictAdapter)
+    return TorchSide(Qwen3Transformer, parallelize_qwen3, get_nparams_and_flops, Qwen3StateDictAdapter,
+                     qwen3_tp_block_plan)
 
 
 register_model_spec(
