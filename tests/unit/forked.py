@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.forking import CTX as _CTX
+from torchtitan.distributed.utils import wait_for_peers
 
 
 def _worker(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple) -> None:
@@ -27,6 +28,7 @@ def _worker(fn: Callable, rank: int, world: int, store: str, queue: Any, args: t
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         out = fn(rank, *args)
+        wait_for_peers()  # no rank leaves while another still receives its last collective's data
         # Tensors would cross as shared-memory handles that die with this process: send plain lists.
         queue.put((rank, None, torch.utils._pytree.tree_map(
             lambda t: t.tolist() if isinstance(t, torch.Tensor) else t, out)))

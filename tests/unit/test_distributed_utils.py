@@ -138,12 +138,17 @@ def _collective_after_rank1_left(rank: int):
     import torch.distributed as dist
 
     if rank == 1:
-        return "left"  # this process exits (os._exit): its gloo connections close
+        # as a rank that failed and left: its gloo connections close (a rank that succeeded would first wait for the
+        # others at the end, dist_utils.wait_for_peers)
+        dist.destroy_process_group()
+        return "left"
     try:
         dist.all_reduce(torch.ones(1))
+        result = "the collective succeeded without rank 1"
     except Exception as e:
-        return dist_utils.lost_a_peer(e), str(e)[:300]
-    return "the collective succeeded without rank 1"
+        result = dist_utils.lost_a_peer(e), str(e)[:300]
+    dist.destroy_process_group()  # its peer is gone: no one to wait for at the end
+    return result
 
 
 def test_a_collective_that_lost_its_peer_is_told_apart_from_a_real_error():
@@ -151,3 +156,25 @@ def test_a_collective_that_lost_its_peer_is_told_apart_from_a_real_error():
     (lost, message), left = run_ranks(_collective_after_rank1_left)
     assert left == "left" and lost, message
     assert not dist_utils.lost_a_peer(ValueError("model.tokenizer_path: no such file"))
+
+
+def _finish_unevenly(rank: int, folder: str):
+    import time
+
+    go, done = os.path.join(folder, "go"), os.path.join(folder, "rank1_done")
+    if rank == 1:
+        while not os.path.exists(go):  # still at work until rank 0 has tried to leave
+            time.sleep(0.01)
+        open(done, "w").close()
+        return None  # its worker then says it finished (tests/unit/forked.py)
+    early = dist_utils.wait_for_peers(timeout_s=0.2)  # rank 1 cannot have finished: the wait gives up, says so
+    open(go, "w").close()
+    arrived = dist_utils.wait_for_peers(timeout_s=60)
+    return early, arrived, os.path.exists(done)  # past the wait only once rank 1 had finished
+
+
+def test_a_finished_rank_waits_for_the_others_before_it_leaves(tmp_path):
+    # gloo completes a collective on a rank once it has the result, possibly before its peer has this rank's part:
+    # a rank that left then would fail the peer's last collective ("Connection closed by peer", seen on CI).
+    (early, arrived, rank1_done), _ = run_ranks(_finish_unevenly, str(tmp_path))
+    assert not early and arrived and rank1_done

@@ -257,6 +257,32 @@ def record_failure(exc: BaseException) -> None:
         logger.warning(f"could not record the failure for the launcher: {e}")
 
 
+EXIT_WAIT_SECONDS = 60.0
+"""How long a rank that finished waits for the others before it leaves anyway (a peer failed or hangs)."""
+
+
+def wait_for_peers(timeout_s: float = EXIT_WAIT_SECONDS) -> bool:
+    """A rank that finished waits, on the rendezvous store (not a collective), until every rank has finished.
+
+    gloo marks a collective complete on a rank once that rank has its result, possibly before a peer has the rank's
+    own contribution; a rank that then leaves closes its connections under the peer, whose last collective fails
+    with "Connection closed by peer" after a run that succeeded (docs/architecture.md, "The exit path"). Past this
+    point every rank has returned from its last collective. False: some rank did not arrive in `timeout_s`."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = _get_default_store()
+        store.set(f"torchtitan/finished/{rank}", "1")
+        store.wait([f"torchtitan/finished/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+        return True
+    except Exception as e:  # noqa: BLE001 - a timeout, or the store's host gone after everyone arrived
+        logger.warning(f"rank {rank}: not every rank reached the end within {timeout_s:.0f} s: {e}")
+        return False
+
+
 def exit_process(code: int) -> None:
     """Flush everything, leave the process group, then exit without the interpreter's shutdown.
 
@@ -265,6 +291,7 @@ def exit_process(code: int) -> None:
     code tells the truth.
     """
     if dist.is_available() and dist.is_initialized() and code == 0:
+        wait_for_peers()
         try:
             dist.destroy_process_group()
         except Exception as e:  # an exit path must not raise
