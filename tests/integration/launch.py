@@ -13,6 +13,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def read_metrics(dump_folder: str | Path) -> list[dict]:
+    """A run's metrics.jsonl lines (rank 0's), in order."""
+    path = Path(dump_folder) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def complete_steps(dump_folder: str | Path) -> list[int]:
+    """The steps of the run's complete full checkpoints (their .complete marker written), in order."""
+    folder = Path(dump_folder) / "checkpoint"
+    if not folder.exists():
+        return []
+    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")
+                  if p.is_dir() and p.name.count("-") == 1 and (p / ".complete").exists())
+
+
 @dataclass
 class RunResult:
     returncode: int
@@ -20,8 +35,7 @@ class RunResult:
     dump_folder: Path
 
     def metrics(self) -> list[dict]:
-        path = self.dump_folder / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.dump_folder)
 
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics()]

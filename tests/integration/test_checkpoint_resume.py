@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.integration.conftest import setup_error, train_layout
-from tests.integration.launch import REPO, kill_tree, run_train, start_train
+from tests.integration.launch import REPO, complete_steps, kill_tree, run_train, start_train
 from tests.integration.layouts import COMMON, dp
 from tests.integration.parity import assert_continues_bitwise, compare, from_step, run_layout
 
@@ -36,14 +36,6 @@ FSDP4 = dp(2, 4)
 TP2 = (*dp(4, 2), "--parallelism.tensor_parallel_degree", "2")
 
 
-def _complete_steps(run_dir) -> list[int]:
-    folder = run_dir / "checkpoint"
-    if not folder.exists():
-        return []
-    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")
-                  if p.is_dir() and p.name.count("-") == 1 and (p / ".complete").exists())
-
-
 def _resume_from(source, step: int, dest) -> None:
     """A fresh run folder holding only `source`'s checkpoint at `step`."""
     (dest / "checkpoint").mkdir(parents=True)
@@ -55,7 +47,7 @@ def straight_fsdp4(pools, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     run = train_layout(pools, 4, (*CKPT, *FSDP4), out)
     # The last step writes the full state too (a finished run can be extended), plus the model-only export.
-    assert _complete_steps(out) == [SAVED, STEPS]
+    assert complete_steps(out) == [SAVED, STEPS]
     marker = json.loads((out / "checkpoint" / f"step-{STEPS}-model" / ".complete").read_text())
     assert marker["model_only"] and marker["step"] == STEPS
     return out, run
@@ -173,7 +165,7 @@ def test_extending_a_finished_run_continues_exactly(pools, tmp_path):
     expected = from_step(straight, 4)
     assert [m["loss"] for m in extended["metrics"]] == [m["loss"] for m in expected["metrics"]]
     assert extended["params"] == expected["params"]
-    assert _complete_steps(run) == [3, 6]  # full states, beside the model-only exports
+    assert complete_steps(run) == [3, 6]  # full states, beside the model-only exports
     assert (run / "checkpoint" / "step-3-model" / ".complete").exists()
 
     # Going back to step 3 would overwrite step-6 of the run that got further: refused before any step.
@@ -215,7 +207,7 @@ def test_async_save_with_hugging_face_export_loads_in_transformers(pools, tmp_pa
             "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only", "false",
             "--checkpoint.last_save_in_hf", "true")
     train_layout(pools, 2, args, tmp_path, timeout=90)
-    assert _complete_steps(tmp_path) == [1, 2, 3]
+    assert complete_steps(tmp_path) == [1, 2, 3]
     hf_dir = tmp_path / "checkpoint" / "step-3-hf"
     hf_model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, local_files_only=True, torch_dtype=torch.float32)
     state, model_args = load_hf(hf_dir)
@@ -328,7 +320,7 @@ def test_kill_9_at_any_moment_then_resume(pools, tmp_path, tt_cache_dir):
     finally:
         kill_tree(proc.pid)
         proc.wait(timeout=30)
-    complete = _complete_steps(tmp_path)
+    complete = complete_steps(tmp_path)
     assert complete, (tmp_path / "killed.log").read_text()[-3000:]
     killed_text = (tmp_path / "metrics.jsonl").read_text()
     killed = [json.loads(line) for line in killed_text.splitlines()]
@@ -351,7 +343,7 @@ def test_kill_9_at_any_moment_then_resume(pools, tmp_path, tt_cache_dir):
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()[len(killed_text):].splitlines()]
     assert [m["step"] for m in resumed] == list(range(newest + 1, steps + 1)), f"{where}: resumed {resumed}"
     # The resumed run saved every step, over the incomplete folder too.
-    assert _complete_steps(tmp_path) == list(range(1, steps + 1)), f"{where}: {_step_folders(tmp_path)}"
+    assert complete_steps(tmp_path) == list(range(1, steps + 1)), f"{where}: {_step_folders(tmp_path)}"
 
     # Saves do not enter the arithmetic: the reference skips them.
     reference = train_layout(pools, 2, (*KILL_RUN, "--training.steps", str(steps), "--checkpoint.enable", "false"),
@@ -381,7 +373,7 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(pools, tmp_path, tt_cache
         if proc.poll() is None:
             kill_tree(proc.pid)
     log = (tmp_path / "term.log").read_text()
-    saved = _complete_steps(tmp_path)
+    saved = complete_steps(tmp_path)
     assert saved and saved[-1] >= 2, log[-3000:]
     assert "SIGTERM received" in log
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
@@ -402,7 +394,7 @@ def straight_moe_fsdp2(pools, tmp_path_factory):
     """The mixture-of-experts run every MoE resume test starts from: FSDP 2, saved at SAVED and at the end."""
     out = tmp_path_factory.mktemp("straight_moe")
     run = train_layout(pools, 2, (*CKPT, *MOE, *dp(4, 2)), out)
-    assert _complete_steps(out) == [SAVED, STEPS]
+    assert complete_steps(out) == [SAVED, STEPS]
     return out, run
 
 

@@ -21,6 +21,7 @@ import json
 import random
 from pathlib import Path
 
+from tests.integration.launch import read_metrics
 from torchtitan.rl.data import PROMPT, synthetic_record
 
 DIGITS, OPS = 1, "+"  # 100 questions ("What is 3 + 4?"), answers 0 .. 18
@@ -106,11 +107,6 @@ def grpo_rank(rank: int, argv: list[str]) -> list[dict]:
     trainer.train()
     trainer.close()
     return read_metrics(cfg.job.dump_folder) if rank == 0 else []
-
-
-def read_metrics(dump_folder: str | Path) -> list[dict]:
-    path = Path(dump_folder) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def start_end(metrics: list[dict], key: str = "reward_mean") -> tuple[float, float]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.forking import free_port
+from tests.integration.launch import complete_steps, read_metrics
 from tests.unit.forked import run_ranks
 from torchtitan.rl.loss import group_advantages
 
@@ -29,12 +30,6 @@ ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--tra
 REPO = Path(__file__).resolve().parents[2]
 # Timings and throughputs differ run to run; everything else must not.
 NOISY = ("time/", "gen_tps", "train_tps")
-
-
-def dump_folder_metrics(dump_folder: str | Path) -> list[dict]:
-    """The metrics.jsonl lines of a run."""
-    path = Path(dump_folder) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _train(rank: int, dump: str, extra: list[str], until: int | None, check: bool):
@@ -89,7 +84,7 @@ def straight(tmp_path_factory):
 
 def test_metrics_are_written_and_consistent(straight):
     dump, checks = straight
-    lines = dump_folder_metrics(dump)
+    lines = read_metrics(dump)
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     for key in ("reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "response_len", "gen_tps",
                 "train_tps", "time/generate", "time/score", "time/train", "time/sync", "loss", "policy_version"):
@@ -102,11 +97,6 @@ def test_metrics_are_written_and_consistent(straight):
     assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
     assert lines[-1]["kl"] > 0
     assert all(math.isfinite(line["entropy"]) and line["entropy"] > 0 for line in lines)
-
-
-def _complete_steps(dump: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*")
-                  if p.name.count("-") == 1 and (p / ".complete").exists())
 
 
 def test_kill_9_mid_run_then_resume_continues_identically(straight, tmp_path):
@@ -132,13 +122,13 @@ def test_kill_9_mid_run_then_resume_continues_identically(straight, tmp_path):
     killed_text = metrics.read_text()
     logged = [json.loads(line)["step"] for line in killed_text.splitlines()]
     assert logged in ([1, 2], [1, 2, 3]), (tmp_path / "killed.log").read_text()[-3000:]  # killed mid-run
-    newest = _complete_steps(tmp_path)[-1]
+    newest = complete_steps(tmp_path)[-1]
     assert newest >= 1
     resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = [json.loads(line) for line in metrics.read_text()[len(killed_text):].splitlines()]
     assert [line["step"] for line in lines] == list(range(newest + 1, 5))
-    assert comparable(lines) == comparable(dump_folder_metrics(dump))[newest:]
+    assert comparable(lines) == comparable(read_metrics(dump))[newest:]
 
 
 # 4 drawn groups, 2 per mini-batch, 2 epochs: 4 optimizer updates per step.
@@ -154,7 +144,7 @@ def ppo(tmp_path_factory):
 
 def test_ppo_epochs_and_mini_batches(straight, ppo, tmp_path):
     dump, _ = straight
-    lines, base = dump_folder_metrics(ppo), dump_folder_metrics(dump)[:2]
+    lines, base = read_metrics(ppo), read_metrics(dump)[:2]
     assert [line["updates"] for line in lines] == [4, 4] and [line["updates"] for line in base] == [1, 1]
     assert [line["policy_version"] for line in lines] == [1, 2]  # the generator syncs once per step
     assert [line["lr"] for line in lines] == [line["lr"] for line in base]  # the schedule counts RL steps
@@ -166,14 +156,14 @@ def test_ppo_epochs_and_mini_batches(straight, ppo, tmp_path):
     # Each pass reshuffles the groups into mini-batches (rl.shuffle_mini_batches): in drawn order, the same rollouts
     # make other updates.
     run(tmp_path, extra=[*PPO, "--rl.shuffle_mini_batches", "false"], until=1)
-    drawn_order = dump_folder_metrics(tmp_path)[0]
+    drawn_order = read_metrics(tmp_path)[0]
     assert drawn_order["reward_mean"] == lines[0]["reward_mean"] and drawn_order["loss"] != lines[0]["loss"]
 
 
 def test_ppo_on_fsdp_matches_one_process(ppo, tmp_path):
     """Each of the 4 updates per step splits its 2 groups (8 completions) over the ranks."""
     run(tmp_path, world=2, extra=PPO, until=2)
-    assert_same(comparable(dump_folder_metrics(ppo)), comparable(dump_folder_metrics(tmp_path)), 2)
+    assert_same(comparable(read_metrics(ppo)), comparable(read_metrics(tmp_path)), 2)
 
 
 TP = ["--parallelism.tensor_parallel_degree", "2", "--checkpoint.enable", "false"]
@@ -193,7 +183,7 @@ def test_layouts_match_one_process(straight, tmp_path, world, extra, steps):
     results = run(tmp_path, world=world, extra=extra, until=steps)
     # FSDP and/or TP: every parameter is a DTensor; DDP keeps plain replicas
     assert all(sharded == (extra is not DDP) for _, sharded in results)
-    assert_same(comparable(dump_folder_metrics(dump))[:steps], comparable(dump_folder_metrics(tmp_path)), steps)
+    assert_same(comparable(read_metrics(dump))[:steps], comparable(read_metrics(tmp_path)), steps)
 
 
 def assert_same(one: list[dict], two: list[dict], steps: int) -> None:
@@ -219,7 +209,6 @@ def _entry_point(dump: str, port: int, extra: list[str]) -> tuple[int, str]:
 
 
 def test_entry_point_and_the_pretraining_trainer_refuses_rl(tmp_path):
-    from tests.forking import free_port
     from tests.unit.forked import in_child
     from torchtitan.config.errors import ConfigError
     from torchtitan.config.preflight import check_job

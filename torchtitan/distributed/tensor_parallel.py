@@ -107,7 +107,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool,
         parallelize_module(model, tp_mesh, top)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings.register_forward_hook(_waited_output)
-    if getattr(model, "tok_embeddings", None) is None:
+    else:
         # A later pipeline stage receives the sequence-sharded residual stream as its local shard (stages send
         # plain tensors, torchtitan/distributed/pipeline_parallel.py): make it the Shard(1) DTensor the blocks'
         # residual adds expect. The backward of from_local hands the previous stage the local gradient shard.
