@@ -158,7 +158,11 @@ PP_LAYOUTS = [
 # DP degree is world / (cp x tp), and FSDP shards over dp_shard x cp.
 _CP2 = ("--parallelism.context_parallel_degree", "2")
 
-CP_LAYOUTS = [
+# The mesh work (the K/V all-gather over cp, FSDP over dp_shard x cp, sequence parallel inside each cp shard, the
+# chunk order) is the same with and without document masking; only the mask and where positions come from differ.
+# So each mesh runs once, with the masks where they add to it (below), and causal attention keeps the layouts where
+# its own positions path differs: CP alone, HSDP x CP, and later pipeline stages' positions from the cp rank.
+_CP_MESHES = [
     Layout("cp2", 2, (*dp(8, 1), *_CP2)),
     Layout("cp4_accum_full_ac", 4, (*dp(4, 1), "--parallelism.context_parallel_degree", "4",
                                     "--activation_checkpoint.mode", "full")),
@@ -168,6 +172,7 @@ CP_LAYOUTS = [
     # later stages take hidden states: their rotary positions come from the cp rank, as the first stage's do
     Layout("pp2_cp2_interleaved", 4, (*dp(8, 1), *_CP2, *pp("Interleaved1F1B"))),
 ]
+CP_LAYOUTS = [layout for layout in _CP_MESHES if layout.name in ("cp2", "hsdp2x1_cp2", "pp2_cp2_interleaved")]
 
 # Under CP every rank keeps the whole sequence's document ids (its keys come from every rank); under PP they reach
 # every stage.
@@ -176,7 +181,7 @@ CP_LAYOUTS = [
 BLOCK_CAUSAL_LAYOUTS = [
     Layout(f"{layout.name}_block_causal", layout.nproc, (*layout.overrides, *_BLOCK_CAUSAL),
            reference="single_process_block_causal")
-    for layout in CP_LAYOUTS if layout.name != "hsdp2x1_cp2"
+    for layout in _CP_MESHES if layout.name != "hsdp2x1_cp2"
 ]
 
 # Dense Qwen3 under tensor parallel: its per-head q/k norms run sharded on the heads, their weight gradients summed
