@@ -163,3 +163,32 @@ def test_profiling_keys_are_accepted() -> None:
                       "--profiling.profile_freq", "5", "--profiling.save_traces_folder", "prof/traces"])
     assert cfg.profiling.enable_profiling and cfg.profiling.enable_memory_snapshot
     assert cfg.profiling.profile_freq == 5
+
+
+# allocator_peak's replay (torchtitan/tools/profiling.py), on events as the profiler reports them: (time, size, address,
+# thread), sizes negative for frees. Thread 1 is the program's (it allocates most).
+MAIN, GLOO = 1, 2
+
+
+def test_replay_counts_only_the_programs_allocations():
+    # gloo's thread allocates an 8-byte temporary while the program's peak is 10: it moves with scheduling, and NCCL
+    # keeps such buffers outside the allocator
+    events = [(1, 4, 0xA, MAIN), (2, 6, 0xB, MAIN), (3, 8, 0xC, GLOO), (4, -8, 0xC, GLOO), (5, -6, 0xB, MAIN),
+              (6, -4, 0xA, MAIN)]
+    assert profiling.replay_peak(events) == 10
+    # ... including when the program's thread frees it
+    events[3] = (4, -8, 0xC, MAIN)
+    assert profiling.replay_peak(events) == 10
+
+
+def test_replay_ends_a_block_whose_free_was_not_recorded_when_its_address_is_reused():
+    # A collective's 4-byte input freed unseen by gloo's thread; the program reuses the address for 4 bytes, then
+    # allocates 5 more: the peak is 9, not 13 (the unseen block counted alive for good).
+    events = [(1, 4, 0xA, MAIN), (2, 4, 0xA, MAIN), (3, 5, 0xB, MAIN), (4, -5, 0xB, MAIN)]
+    assert profiling.replay_peak(events) == 9
+
+
+def test_replay_since_start_skips_frees_of_older_memory():
+    events = [(1, -100, 0xF, MAIN), (2, 4, 0xA, MAIN), (3, 2, 0xB, MAIN)]
+    assert profiling.replay_peak(events, since_start=True) == 6
+    assert profiling.replay_peak(events) == 0  # all of it counted from before: the older free lowers the sum
