@@ -284,9 +284,8 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
 @contextmanager
 def _trainer_gc_policy():
     """The trainer's garbage-collection policy (torchtitan/train.py): automatic collection off during the steps,
-    one collection before them and every training.gc_freq steps. Left on, a collection at an allocation-count
-    threshold frees FSDP's cyclic garbage (and the tensors it holds) at a point that moves with timing: a real CPU
-    run's peak varied by 3-14 MiB between identical runs, and by at most one block's gathered parameters without."""
+    one collection before them and every training.gc_freq steps. With it on, a collection at an allocation-count
+    threshold would free FSDP's cyclic garbage (and the tensors it holds) where the trainer never does."""
     was_enabled = gc.isenabled()
     gc.disable()
     gc.collect(1)
