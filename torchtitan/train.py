@@ -27,7 +27,7 @@ from torchtitan.components.moe_balance import (
 )
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.quantization import float8
-from torchtitan.components.step import forward_backward_step
+from torchtitan.components.step import forward_backward_step, scheduled_garbage_collection
 from torchtitan.components.step_guard import StepGuard, TrainingError
 from torchtitan.components.validate import Validator
 from torchtitan.config.errors import ConfigError
@@ -243,17 +243,15 @@ class Trainer:
     def train(self, after_step: Callable[[int], None] | None = None) -> None:
         """Train until training.steps (or an agreed stop signal). `after_step(step)` runs after each step's
         update and log, before its checkpoint (the parity tests read the parameters there)."""
-        gc.disable()  # collect on a fixed cadence instead of at random points inside a step
-        gc.collect(1)
-        if self.after_optimizer_step is not None:  # float8: the first all-gather's scales, as every later one's
-            self.after_optimizer_step()
-        try:
-            with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank, self.device.type, self.first_step,
-                               self.cfg.training.steps) as profiler:
-                self._loop(after_step, profiler)
-        finally:
-            self.stop_signal.acknowledge()  # finishing or failing, not stuck: no watchdog exit
-            gc.enable()
+        with scheduled_garbage_collection():  # collected on a fixed cadence, not at random points inside a step
+            if self.after_optimizer_step is not None:  # float8: the first all-gather's scales, as every later one's
+                self.after_optimizer_step()
+            try:
+                with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank, self.device.type,
+                                   self.first_step, self.cfg.training.steps) as profiler:
+                    self._loop(after_step, profiler)
+            finally:
+                self.stop_signal.acknowledge()  # finishing or failing, not stuck: no watchdog exit
 
     def _loop(self, after_step, profiler) -> None:
         cfg = self.cfg.training

@@ -5,8 +5,9 @@ Kept outside the Trainer so the estimator (torchtitan/estimation) follows exactl
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -80,3 +81,17 @@ def forward_backward_step(
             after_optimizer_step()
     return local_loss_sum, grad_norm
 
+
+@contextmanager
+def scheduled_garbage_collection():
+    """Training's garbage-collection policy, for the trainer and the memory estimator alike: automatic collection
+    off (a collection at an allocation-count threshold would run at a random point inside a step and free FSDP's
+    cyclic garbage there), one collection before the steps; the loop collects every training.gc_freq steps."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.collect(1)
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

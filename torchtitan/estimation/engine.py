@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torchtitan.components.model_parts import build_model_parts, model_args_for
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.quantization import float8
-from torchtitan.components.step import forward_backward_step
+from torchtitan.components.step import forward_backward_step, scheduled_garbage_collection
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.resolve import resolve
 from torchtitan.data.dataloader import document_ids_from_positions
@@ -261,7 +260,7 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
     after_optimizer_step = float8.post_optimizer_step(cfg, parts)
     if after_optimizer_step is not None:  # as the trainer does before its first step
         after_optimizer_step()
-    with _trainer_gc_policy():
+    with scheduled_garbage_collection():  # as the trainer's loop
         for step in range(1, steps + 1):
             def on_phase(kind: str, micro: int | None, step: int = step) -> None:
                 detail = f", micro-batch {micro + 1}/{grad_accum}" if micro is not None else ""
@@ -279,21 +278,6 @@ def run_steps(parts, optimizer, cfg: JobConfig, vocab_size: int, grad_accum: int
             if step % cfg.training.gc_freq == 0:
                 gc.collect(1)
             set_phase(f"between steps (step {step})")
-
-
-@contextmanager
-def _trainer_gc_policy():
-    """The trainer's garbage-collection policy (torchtitan/train.py): automatic collection off during the steps,
-    one collection before them and every training.gc_freq steps. With it on, a collection at an allocation-count
-    threshold would free FSDP's cyclic garbage (and the tensors it holds) where the trainer never does."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.collect(1)
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _summarise(tracker: MemoryTracker, params, optimizer, rank: int, world_size: int, seconds: float) -> Estimate:
