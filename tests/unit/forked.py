@@ -6,9 +6,12 @@ failure (see docs/architecture.md).
 from __future__ import annotations
 
 import os
+import queue as _queue
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -57,18 +60,65 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0) 
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    failed = True
     try:
-        for _ in range(world):
-            rank, err, out = queue.get(timeout=timeout)
+        for rank, err, out in _collect(queue, procs, world, timeout):
             assert err is None, f"rank {rank} failed:\n{err}"
             results[rank] = out
+        failed = False
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        _reap(procs, failed)
         shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     return [results[r] for r in range(world)]
+
+
+def _collect(queue: Any, procs: list, count: int, timeout: float) -> Any:
+    """Yield `count` results from the queue, failing at once when a child dies without sending one.
+
+    A child killed by a signal (a heap corruption abort, the OOM killer) never answers; waiting out `timeout` then
+    costs minutes of a 2-core CI run and hides which process died.
+    """
+    deadline = time.monotonic() + timeout
+    received = 0
+    dead_since: float | None = None
+    while received < count:
+        try:
+            item = queue.get(timeout=0.5)
+        except _queue.Empty:
+            item = None
+        if item is None:
+            now = time.monotonic()
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                # A child that failed normally put its traceback first; give the feeder a moment to deliver it.
+                dead_since = dead_since or now
+                if now - dead_since > 1.0:
+                    raise AssertionError("; ".join(f"process {i} exited with {_describe(code)} without a result"
+                                                   for i, code in dead))
+            if now > deadline:
+                raise TimeoutError(f"{count - received} of {count} results missing after {timeout:.0f} s")
+            continue
+        received += 1
+        yield item
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"code {exitcode}"
+
+
+def _reap(procs: list, kill_now: bool) -> None:
+    for p in procs:
+        if kill_now and p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def _child(fn: Callable, queue: Any, args: tuple) -> None:
@@ -96,12 +146,12 @@ def in_child(fn: Callable, *args: Any, timeout: float = 300.0) -> Any:
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, queue, args))
     proc.start()
+    failed = True
     try:
-        err, out = queue.get(timeout=timeout)
+        ((err, out),) = list(_collect(queue, [proc], 1, timeout))
+        failed = False
     finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+        _reap([proc], failed)
     assert err is None, f"child failed:\n{err}"
     return out
 

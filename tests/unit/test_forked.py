@@ -1,0 +1,35 @@
+"""The forked-rank helpers report a child that dies without answering (a signal, a heap-corruption abort) at once,
+naming it, instead of waiting out their timeout with the other ranks still alive."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.unit.forked import in_child, run_ranks
+
+
+def _rank_1_killed(rank: int) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # rank 0 never answers: only the dead rank can end this run early
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_timeout():
+    with pytest.raises(AssertionError, match="process 1 exited with signal SIGKILL without a result"):
+        run_ranks(_rank_1_killed, timeout=90)
+
+
+def test_a_child_exiting_without_a_result_is_named():
+    with pytest.raises(AssertionError, match="process 0 exited with code 3 without a result"):
+        in_child(os._exit, 3, timeout=90)
+
+
+def test_results_come_back_by_rank():
+    assert run_ranks(_double) == [0, 2]
+
+
+def _double(rank: int) -> int:
+    return rank * 2
