@@ -11,7 +11,11 @@ from tests.unit.forked import in_child, run_ranks
 
 
 def _rank_1_killed(rank: int) -> int:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks past the rendezvous: rank 0 cannot fail on the closed connection instead
     if rank == 1:
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(600)  # rank 0 never answers: only the dead rank can end this run early
     return rank
