@@ -22,13 +22,16 @@ REPO = Path(__file__).resolve().parents[2]
 # a marker file per group in <its bin folder>/fake-site: torch, base (torchtitan and its dependencies), dev.
 # `-c "import a, b"` (or the find_spec check, `-c "import sys, importlib.util ..." a b`) succeeds only when
 # every module's group is marked; `-m pip install ARGS` appends ARGS
-# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install.
+# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install; `-m compileall ... FOLDER` appends FOLDER
+# to $FAKE_PIP_LOG.compile.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 site="$(cd "$(dirname "$0")" && pwd)/fake-site"
 has() { [ -e "$site/$1" ]; }
 if [ "${1:-}" = "-c" ]; then
     case "$2" in
         "import sys, importlib.util"*) modules=("${@:3}") ;;  # the find_spec check: module names as arguments
+        "import importlib.util as u; print"*) has torch && echo "$site/torch" && exit 0; exit 1 ;;  # torch's folder
+        "import sysconfig; print"*) echo "$site" && exit 0 ;;  # site-packages
         "import "*) IFS=', ' read -r -a modules <<< "${2#import }" ;;
         *) exit 1 ;;
     esac
@@ -46,12 +49,16 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
     mkdir -p "$3/bin" && cp "$0" "$3/bin/python"
     exit $?
 fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "compileall" ]; then
+    printf '%s\n' "${@: -1}" >> "$FAKE_PIP_LOG.compile"
+    exit 0
+fi
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
     (IFS=$'\t'; printf '%s\n' "${*:3}") >> "$FAKE_PIP_LOG"
     mkdir -p "$site"
     for a in "${@:4}"; do
         case "$a" in
-            -e) ;;
+            -e|--*) ;;
             torch==*) touch "$site/torch" ;;
             *"[dev]") touch "$site/base" "$site/dev" ;;
             *) touch "$site/base" ;;
@@ -71,6 +78,10 @@ class Sandbox:
     pip_log: Path
 
     @property
+    def compile_log(self) -> Path:
+        return self.pip_log.with_name(self.pip_log.name + ".compile")
+
+    @property
     def venv_python(self) -> str:
         return str(self.root / ".venv" / "bin" / "python")
 
@@ -88,6 +99,7 @@ class Sandbox:
             env["TORCH_VERSION"] = torch_version
         source = ("NEED_DEV=1 " if need_dev else "") + "source scripts/bootstrap.sh"
         self.pip_log.write_text("")
+        self.compile_log.write_text("")
         proc = subprocess.run(["bash", "-c", f'set -euo pipefail; {source}; printf "%s" "$PYTHON"'],
                               cwd=self.root, env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
@@ -116,12 +128,13 @@ def sandbox(tmp_path: Path) -> Sandbox:
     return Sandbox(root, tmp_path / "bin", tmp_path / "pip.log")
 
 
+# pip never byte-compiles: bootstrap.sh compiles on both cores itself (test_byte_code_is_compiled_after_an_install)
 def _install(package: str) -> list[str]:
-    return ["install", package]
+    return ["install", "--no-compile", package]
 
 
 def _editable(target: str) -> list[str]:
-    return ["install", "-e", target]
+    return ["install", "--no-compile", "-e", target]
 
 
 def test_training_installs_torch_and_the_project_without_extras(sandbox: Sandbox) -> None:
@@ -163,6 +176,17 @@ def test_a_stamp_written_before_extras_were_recorded_counts_as_dev(sandbox: Sand
     shutil.copy(sandbox.root / "pyproject.toml", sandbox.root / ".venv" / ".installed-pyproject")
     assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
     assert sandbox.run() == (sandbox.venv_python, [])
+
+
+def test_byte_code_is_compiled_after_an_install(sandbox: Sandbox) -> None:
+    site = sandbox.root / ".venv" / "bin" / "fake-site"
+    sandbox.run()
+    # torch's folder (in the background while pip installs the rest), then all of site-packages
+    assert sandbox.compile_log.read_text().splitlines() == [str(site / "torch"), str(site)]
+    sandbox.run(need_dev=True)  # torch already there: only site-packages, where compileall skips what is current
+    assert sandbox.compile_log.read_text().splitlines() == [str(site)]
+    sandbox.run()
+    assert sandbox.compile_log.read_text() == ""  # nothing installed, nothing compiled
 
 
 def test_torch_version_chooses_the_pin(sandbox: Sandbox) -> None:
