@@ -99,18 +99,11 @@ def read_entries(path: Path) -> dict[str, Entry]:
     return out
 
 
-def col_runs(cols: Tensor) -> list[tuple[int, int, int]]:
-    """(local start, global start, length) of each run of consecutive global column ids in `cols`."""
-    if cols.numel() == 0:
+def runs(ids: Tensor) -> list[tuple[int, int, int]]:
+    """(position in `ids`, first id, length) of each run of consecutive ids (columns or rows of a file's tensor)."""
+    if ids.numel() == 0:
         return []
-    breaks = (torch.nonzero(cols[1:] - cols[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, cols.numel()]
-    return [(a, int(cols[a]), b - a) for a, b in zip(starts, ends, strict=True)]
-
-
-def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
-    """(position, first id, length) of each run of consecutive ids."""
+    ids = ids.numpy()
     breaks = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
     return [(a, int(ids[a]), b - a) for a, b in zip([0, *breaks], [*breaks, ids.size], strict=True)]
 
@@ -122,13 +115,13 @@ def write_rows(fd: int, entry: Entry, hf_rows: Tensor, cols: Tensor, data: Tenso
         return 0
     size, width = entry.itemsize, entry.cols * entry.itemsize
     raw = data.to(device="cpu", dtype=entry.dtype).contiguous().view(torch.uint8).numpy()  # n x len(cols)*size
-    runs = col_runs(cols)
-    if len(runs) == 1 and runs[0][2] == entry.cols:  # whole rows: one write per run of consecutive rows
-        for at, row, n in _runs(hf_rows.numpy()):
+    col_runs = runs(cols)
+    if len(col_runs) == 1 and col_runs[0][2] == entry.cols:  # whole rows: one write per run of consecutive rows
+        for at, row, n in runs(hf_rows):
             os.pwrite(fd, raw[at:at + n], entry.offset + row * width)
     else:
         for i, row in enumerate(hf_rows.tolist()):
-            for local, first, n in runs:
+            for local, first, n in col_runs:
                 os.pwrite(fd, raw[i, local * size:(local + n) * size], entry.offset + row * width + first * size)
     return data.numel()
 
@@ -157,12 +150,12 @@ class Reader:
         # tensor into an untracked temporary, 436 MB per chunk for a 405B w2 under TP 8.
         out = torch.empty(rows.size, cols.numel() * size, dtype=torch.uint8)
         buf = out.numpy()
-        runs = col_runs(cols)
-        if len(runs) == 1 and runs[0][2] == entry.cols:
+        col_runs = runs(cols)
+        if len(col_runs) == 1 and col_runs[0][2] == entry.cols:
             np.take(region, rows, axis=0, out=buf, mode="clip")
             return out.view(entry.dtype)
-        row_runs = _runs(rows)
-        for local, first, n in runs:
+        row_runs = runs(hf_rows)
+        for local, first, n in col_runs:
             part, dest = region[:, first * size:(first + n) * size], buf[:, local * size:(local + n) * size]
             for at, row, length in row_runs:
                 dest[at:at + length] = part[row:row + length]
