@@ -77,11 +77,13 @@ def test_published_parameter_counts(flavor: str) -> None:
 
 
 def test_flavor_keys_and_ffn_sizes() -> None:
-    assert set(llama3_flavors) == {"debugmodel", "debugmodel_tied", "debugmodel_small", "debugmodel_small_tied", "1B",
-                                   "3B", "8B", "8B_8blocks", "70B", "405B"}
+    assert set(llama3_flavors) == {"debugmodel", "debugmodel_tied", "debugmodel_small", "debugmodel_small_tied",
+                                   "debugmodel_vocab2k", "1B", "3B", "8B", "8B_8blocks", "70B", "405B"}
     assert llama3_flavors["debugmodel_tied"].tie_word_embeddings
     # the benchmark flavor: the 8B block shape, 8 blocks
     assert llama3_flavors["8B_8blocks"] == dataclasses.replace(llama3_flavors["8B"], n_layers=8)
+    # the memory estimator's accuracy model: the debug model but for its vocabulary
+    assert llama3_flavors["debugmodel_vocab2k"] == dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=2048)
     expected_hidden = {"1B": 8192, "3B": 8192, "8B": 14336, "70B": 28672, "405B": 53248}
     for name, hidden in expected_hidden.items():
         assert llama3_flavors[name].ffn_hidden_dim == hidden

@@ -129,6 +129,8 @@ qwen3_flavors["debugmodel_moe"] = replace(
     moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=128, route_norm=True,
                 **{**QWEN3_BALANCE, "load_balance_coeff": 5e-3}),
 )
+# The memory estimator's MoE accuracy model: as llama3's debugmodel_vocab2k, a 2,048-token vocabulary.
+qwen3_flavors["debugmodel_moe_vocab2k"] = replace(qwen3_flavors["debugmodel_moe"], vocab_size=2048)
 # The parity suite's MoE model (tests/integration/layouts.py): small enough for 8 gloo ranks on 2 cores.
 qwen3_flavors["debugmodel_moe_small"] = replace(
     qwen3_flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=512, ffn_hidden_dim=128,
