@@ -15,7 +15,7 @@ import torch
 from tests.unit.forked import run_ranks
 from torchtitan.components.moe_balance import configure_balance_losses, update_expert_biases
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.utils import total_grad_norm
+from torchtitan.distributed.utils import clip_grads_, total_grad_norm
 from torchtitan.models.moe import MoE, MoEArgs
 
 TIMEOUT = 60.0
@@ -118,6 +118,30 @@ def test_grad_norm_reduces_dtensor_gradients_of_two_meshes():
     norms = [norm for norm, _ in results]
     assert norms[0] == norms[1], norms
     assert norms[0] == pytest.approx(expected, rel=1e-12), (norms, expected)
+
+
+def _clipped_two_meshes(rank: int, max_norm: float) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
+    dims.build_mesh("cpu")
+    params = _mesh_params(rank, dims.fsdp_mesh(), dims.expert_weight_mesh())
+    clip_grads_(params, max_norm, total_grad_norm(params))
+    return [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).tolist() for p in params]
+
+
+@pytest.mark.parametrize("ratio", [1 / 3, 2.0])  # clipped to a third; below max_norm: left alone
+def test_clipping_scales_every_placement_as_one_process_would(ratio):
+    # The factor multiplies local tensors (torchtitan/distributed/utils.py): every placement (both shards, a
+    # replica, a pending sum, two meshes, plain tensors) must come out as the full gradient times the same factor.
+    full = _mesh_grads_full()
+    norm = torch.tensor(_exact_norm(full), dtype=torch.float64)
+    max_norm = float(norm) * ratio
+    factor = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    for rank, grads in enumerate(run_ranks(_clipped_two_meshes, max_norm, world=2, timeout=TIMEOUT)):
+        for i, (got, g) in enumerate(zip(grads, full, strict=True)):
+            torch.testing.assert_close(torch.tensor(got), g * factor, rtol=1e-6, atol=0,
+                                       msg=f"rank {rank}, gradient {i}")
 
 
 def _pp_dp_norm(rank: int) -> float:
