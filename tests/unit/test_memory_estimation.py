@@ -109,15 +109,16 @@ def _estimate_each(layouts: list[tuple[int, list[str], tuple[int, ...]]]) -> lis
 
 # Accuracy cases by id: (world size, layout, tolerance), on sequences of 256 tokens. The measured peaks mostly repeat
 # to the byte (allocator_peak counts the program's own allocations and the frees gloo's threads hide;
-# docs/memory_estimation.md, "Accuracy"), but a rank's peak can still rise by one gathered tensor whose last
-# reference gloo's thread drops late (a block's 3.1 MB, the 8,192-token embedding's 8.4 MB), and both ranks can rise
-# in one run: each case keeps that swing at 3.5% of its peak or less. Most cases run debugmodel_vocab2k (the MoE
-# case without EP Qwen3's debugmodel_moe_vocab2k): a smaller embedding and output layer (1.0M of 4.2M parameters)
-# make a token 70% of the compute and the activations a larger share of the peak, so fewer tokens do. An estimator
-# that dropped SiLU's output (the hidden-width tensor each SwiGLU keeps for its backward) fails every case that
-# keeps it: FSDP 2 with the chunked loss (-9.6%), HSDP (-7.1%), TP 2 (-6.8%), CP (-5.0%), CP x TP (-7.4%), both
-# document-masking layouts (-8.3%, -5.4%), LoRA (-10.4%) and float8 (-7.3%). Full AC and per-op AC recompute it;
-# DDP and MoE are there for their own state (DDP's gradient buckets, 17% of its peak; the experts).
+# docs/memory_estimation.md, "Accuracy"), but a rank's peak can still rise by one collective's tensor whose last
+# reference gloo's thread drops late (a block's parameters or gradients, 3.1 MB; the 8,192-token embedding, 8.4 MB),
+# and both ranks can rise in one run: each case keeps that swing at 3.6% of its peak or less. Most cases run
+# debugmodel_vocab2k (the MoE case without EP Qwen3's debugmodel_moe_vocab2k): a smaller embedding and output layer
+# (1.0M of 4.2M parameters) make a token 70% of the compute and the activations a larger share of the peak, so
+# fewer tokens do. An estimator that dropped SiLU's output (the hidden-width tensor each SwiGLU keeps for its
+# backward) fails every case that keeps it: FSDP 2 with the chunked loss (-9.6%), HSDP (-7.1%), TP 2 (-6.8%), CP
+# (-5.0%), CP x TP (-7.4%), both document-masking layouts (-8.3%, -5.4%), LoRA (-10.4%) and float8 (-7.3%). Full AC
+# and per-op AC recompute it; DDP and MoE are there for their own state (DDP's gradient buckets, 17% of its peak;
+# the experts).
 VOCAB2K = ["--model.flavor", "debugmodel_vocab2k"]
 ACCURACY = {
     # the output projection and loss in 4 token chunks, each chunk's logits recomputed in the backward
