@@ -109,23 +109,23 @@ def _estimate_each(layouts: list[tuple[int, list[str], tuple[int, ...]]]) -> lis
 
 # Accuracy cases by id: (world size, layout, tolerance), on sequences of 256 tokens. The measured peaks mostly repeat
 # to the byte (allocator_peak counts the program's own allocations and the frees gloo's threads hide;
-# docs/memory_estimation.md, "Accuracy"), but a rank's peak can still rise by one collective's tensor whose last
+# docs/memory_estimation.md, "Accuracy"), but a rank's peak can still rise by a collective's tensor whose last
 # reference gloo's thread drops late (a block's parameters or gradients, 3.1 MB; the 8,192-token embedding, 8.4 MB),
-# and both ranks can rise in one run: each case keeps that swing at 3.6% of its peak or less. Most cases run
-# debugmodel_vocab2k (the MoE case without EP Qwen3's debugmodel_moe_vocab2k): a smaller embedding and output layer
-# (1.0M of 4.2M parameters) make a token 70% of the compute and the activations a larger share of the peak, so
-# fewer tokens do. An estimator that dropped SiLU's output (the hidden-width tensor each SwiGLU keeps for its
-# backward) fails every case that keeps it: FSDP 2 with the chunked loss (-9.6%), HSDP (-7.1%), TP 2 (-6.8%), CP
-# (-5.0%), CP x TP (-7.4%), both document-masking layouts (-8.3%, -5.4%), LoRA (-10.4%) and float8 (-7.3%). Full AC
-# and per-op AC recompute it; DDP and MoE are there for their own state (DDP's gradient buckets, 17% of its peak;
-# the experts).
+# sometimes by two, on both ranks in one run: each case keeps one such tensor at 3.3% of its peak or less and two at
+# 4.6% or less. Most cases run debugmodel_vocab2k (the MoE case without EP Qwen3's debugmodel_moe_vocab2k): a smaller
+# embedding and output layer (1.0M of 4.2M parameters) make a token 70% of the compute and the activations a larger
+# share of the peak, so fewer tokens do. An estimator that dropped SiLU's output (the hidden-width tensor each
+# SwiGLU keeps for its backward) fails every case that keeps it: FSDP 2 with the chunked loss (-9.6%), HSDP (-8.6%),
+# TP 2 (-6.8%), CP (-5.0%), CP x TP (-7.4%), both document-masking layouts (-8.3%, -5.4%), LoRA (-10.4%) and float8
+# (-8.7%). Full AC and per-op AC recompute it; DDP and MoE are there for their own state (DDP's gradient buckets, 17%
+# of its peak; the experts).
 VOCAB2K = ["--model.flavor", "debugmodel_vocab2k"]
 ACCURACY = {
     # the output projection and loss in 4 token chunks, each chunk's logits recomputed in the backward
     "fsdp2_chunked_loss": (2, [*VOCAB2K, "--training.local_batch_size", "4", "--training.loss_chunks", "4"], 0.05),
-    "hsdp2x2": (4, [*VOCAB2K, "--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+    "hsdp2x2": (4, [*VOCAB2K, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"],
                 0.05),
-    "fsdp2_full_ac": (2, [*VOCAB2K, "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"], 0.05),
+    "fsdp2_full_ac": (2, [*VOCAB2K, "--training.local_batch_size", "12", "--activation_checkpoint.mode", "full"], 0.05),
     "tp2": (2, [*VOCAB2K, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], 0.05),
     # two micro-batches: gradients and collective buffers of the first alive while the second runs
     "fsdp2_accum_op_ac": (2, [*VOCAB2K, "--training.local_batch_size", "4", "--training.global_batch_size", "16",
@@ -145,7 +145,7 @@ ACCURACY = {
                              "--model.attn_mask_type", "block_causal"], 0.05),
     # mixture of experts (a Qwen3 MoE): expert weights sharded on the expert dimension, the routed rows of every
     # token's top-k experts; without expert parallel the memory does not depend on where tokens go
-    "moe_fsdp2": (2, ["--training.local_batch_size", "2", "--model.name", "qwen3", "--model.flavor",
+    "moe_fsdp2": (2, ["--training.local_batch_size", "3", "--model.name", "qwen3", "--model.flavor",
                       "debugmodel_moe_vocab2k"], 0.05),
     # expert parallel: each rank's experts receive rows by all-to-all, as the real run routes them; the estimate
     # assumes the default headroom (expert_load_factor 1.25: 174.6 MiB against 170.5 to 170.8 measured at batch 2,
@@ -158,7 +158,7 @@ ACCURACY = {
                        "--lora.target_modules", "all-linear"], 0.05),
     # float8 (torchao): every block's Linear layers in float8 with the float8 all-gather and precomputed scales: the
     # weights' float8 copies, the casts of inputs and gradients, the scales
-    "fsdp2_float8_all_gather": (2, [*VOCAB2K, "--training.local_batch_size", "2", "--model.converters", "float8",
+    "fsdp2_float8_all_gather": (2, [*VOCAB2K, "--training.local_batch_size", "4", "--model.converters", "float8",
                                     "--float8.skip_small_layers", "false", "--float8.enable_fsdp_float8_all_gather",
                                     "true", "--float8.precompute_float8_dynamic_scale_for_fsdp", "true"], 0.05),
 }
