@@ -136,9 +136,9 @@ llama3_flavors["debugmodel_small"] = replace(llama3_flavors["debugmodel"], dim=6
                                              vocab_size=512, multiple_of=64)
 llama3_flavors["debugmodel_small_tied"] = replace(llama3_flavors["debugmodel_small"], tie_word_embeddings=True)
 # The memory estimator's accuracy model (tests/unit/test_memory_estimation.py): the debug model with a 2,048-token
-# vocabulary. Its embedding and output layer are 1.0M of its 4.2M parameters (4.2M of 7.3M at 8,192), so the
-# activations each accuracy case must see are a larger share of the peak at half the tokens, for a third of the
-# compute (docs/memory_estimation.md, "Accuracy").
+# vocabulary. Its embedding and output layer are 1.0M of its 4.2M parameters (4.2M of 7.3M at 8,192): a token costs
+# 70% of the compute, and the activations each accuracy case must see are a larger share of the peak, so fewer
+# tokens show them (docs/memory_estimation.md, "Accuracy").
 llama3_flavors["debugmodel_vocab2k"] = replace(llama3_flavors["debugmodel"], vocab_size=2048)
 
 
