@@ -108,6 +108,11 @@ def runs(ids: Tensor) -> list[tuple[int, int, int]]:
     return [(a, int(ids[a]), b - a) for a, b in zip([0, *breaks], [*breaks, ids.size], strict=True)]
 
 
+def whole_rows(col_runs: list[tuple[int, int, int]], entry: Entry) -> bool:
+    """The column runs are every column of the file's tensor, in order: rows move whole."""
+    return len(col_runs) == 1 and col_runs[0][2] == entry.cols
+
+
 def write_rows(fd: int, entry: Entry, hf_rows: Tensor, cols: Tensor, data: Tensor) -> int:
     """Write `data` (n x len(cols), converted to the entry's dtype) as rows `hf_rows` (ascending), columns `cols`
     of the tensor at `entry`; consecutive full rows go out in one pwrite. Returns the elements written."""
@@ -116,7 +121,7 @@ def write_rows(fd: int, entry: Entry, hf_rows: Tensor, cols: Tensor, data: Tenso
     size, width = entry.itemsize, entry.cols * entry.itemsize
     raw = data.to(device="cpu", dtype=entry.dtype).contiguous().view(torch.uint8).numpy()  # n x len(cols)*size
     col_runs = runs(cols)
-    if len(col_runs) == 1 and col_runs[0][2] == entry.cols:  # whole rows: one write per run of consecutive rows
+    if whole_rows(col_runs, entry):  # one write per run of consecutive rows
         for at, row, n in runs(hf_rows):
             os.pwrite(fd, raw[at:at + n], entry.offset + row * width)
     else:
@@ -151,7 +156,7 @@ class Reader:
         out = torch.empty(rows.size, cols.numel() * size, dtype=torch.uint8)
         buf = out.numpy()
         col_runs = runs(cols)
-        if len(col_runs) == 1 and col_runs[0][2] == entry.cols:
+        if whole_rows(col_runs, entry):
             np.take(region, rows, axis=0, out=buf, mode="clip")
             return out.view(entry.dtype)
         row_runs = runs(hf_rows)
