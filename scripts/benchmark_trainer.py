@@ -92,10 +92,11 @@ def run_bare(opts: dict, cfg, world: int, device, batches: list) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from torchtitan.config.flavor import flavor_args
     from torchtitan.models.registry import get_model_spec
 
     spec = get_model_spec(cfg.model.name)
-    args = dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
+    args = dataclasses.replace(flavor_args(cfg), max_seq_len=cfg.training.seq_len)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = spec.model_cls(args)

@@ -509,6 +509,7 @@ INVALID_VALUES = [
     (["--model.name", "gpt9"], "model.name"),
     (["--model.flavor", "13T"], "model.flavor"),
     (["--model.attn_mask_type", "block"], "model.attn_mask_type"),
+    (["--model.n_layers", "-1"], "model.n_layers"),
     # optimizer
     (["--optimizer.name", "SGD"], "optimizer.name"),
     (["--optimizer.name", "adamw"], "optimizer.name"),
@@ -1006,3 +1007,23 @@ def test_train_entry_point_tripwires_catch_a_run_that_starts(tmp_path):
     assert code == 99 and "tripwire: init_distributed called" in err, err[-3000:]
     proc = _run_train(["--job.dump_folder", str(tmp_path / "outputs")], tmp_path)
     assert proc.returncode == 99 and "tripwire: init_distributed called" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_n_layers_reaches_the_model_the_pipeline_plan_and_the_estimator():
+    """model.n_layers replaces the flavor's depth everywhere the config's model shapes are read: the args the
+    trainer builds from, the pipeline split, and the estimator's depth (its report names the blocks it built)."""
+    from torchtitan.components.model_parts import model_args_for
+    from torchtitan.config.manager import load_config
+
+    base = ["--model.flavor", "debugmodel_small"]
+    assert model_args_for(load_config(base, 1)[0]).n_layers == 4
+    cfg, resolved = load_config([*base, "--model.n_layers", "2", "--model.name", "deepseek_v3"], 1)
+    args = model_args_for(cfg)
+    assert (args.n_layers, args.n_dense_layers, args.dim) == (2, 1, 64)  # the flavor's shapes, fewer blocks
+    _, resolved = load_config([*base, "--model.n_layers", "3", "--parallelism.pipeline_parallel_degree", "2",
+                               "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 2)
+    blocks = [[f for f in stage if f.startswith("layers.")] for stage in resolved.pipeline.module_fqns]
+    assert sum(blocks, []) == ["layers.0", "layers.1", "layers.2"]
+    with pytest.raises(ConfigError, match="4 pipeline stages but the model has only 2 transformer blocks"):
+        load_config([*base, "--model.n_layers", "2", "--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 2)

@@ -297,23 +297,20 @@ def test_pipeline_stage_estimates_within_5_percent_of_measured(case, measured):
         assert abs(est - peak) <= 0.05 * peak, (rank, estimated, real)
 
 
-def _estimates_at_depths(cfg, world: int, depths: list[int]) -> list:
-    """Rank 0's estimate at each depth, in one process (as estimate() traces its two samples)."""
-    return [estimate_rank(cfg, world, 0, "cuda", 1, n) for n in depths]
+def _exact_and_extrapolated(cfg, world: int) -> tuple:
+    """Rank 0's estimate traced at full depth, and extrapolated from two shallower traces, in one process."""
+    return estimate(cfg, world, 0, "cuda", exact=True), estimate(cfg, world, 0, "cuda")
 
 
 def test_depth_extrapolation_equals_the_full_run():
-    # 8B shapes cut to 12 blocks: exact run vs the 4- and 8-block runs extrapolated to 12.
-    args = ["--model.flavor", "8B", "--training.local_batch_size", "1", "--training.seq_len", "256",
-            "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
-    cfg = parse_args(args)
-    from torchtitan.estimation import engine
-
-    samples = engine.sample_layer_counts(cfg, 12)
-    assert samples == (4, 8)
-    exact, low, high = in_child(_estimates_at_depths, cfg, 8, [12, *samples])
+    # 8B shapes at 12 blocks (model.n_layers): the exact run vs the 4- and 8-block runs extrapolated to 12.
+    args = ["--model.flavor", "8B", "--model.n_layers", "12", "--training.local_batch_size", "1",
+            "--training.seq_len", "256", "--activation_checkpoint.mode", "selective",
+            "--activation_checkpoint.selective_ac_option", "op"]
+    exact, approx = in_child(_exact_and_extrapolated, parse_args(args), 8)
+    assert exact.extrapolated_from is None and approx.extrapolated_from == (4, 8)
     for step, peak in exact.step_peaks.items():
-        extrapolated = low.step_peaks[step].bytes + (high.step_peaks[step].bytes - low.step_peaks[step].bytes) * 2
+        extrapolated = approx.step_peaks[step].bytes
         assert abs(extrapolated - peak.bytes) <= 1e-3 * peak.bytes, (step, extrapolated, peak.bytes)
 
 

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan.components.quantization import float8, lora
+from torchtitan.config.flavor import flavor_args
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.moe import with_moe_overrides
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import PipelinePlan, split_model
 from torchtitan.models.registry import get_model_spec
@@ -40,9 +40,8 @@ def canonical_name(name: str) -> str:
 def model_args_for(cfg: JobConfig, n_layers: int | None = None) -> Any:
     """The flavor's args for this run: the rotary table covers the longest sequence trained or validated, and the
     [moe] keys override the flavor's balance settings."""
-    spec = get_model_spec(cfg.model.name)
     max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
-    args = with_moe_overrides(dataclasses.replace(spec.flavors[cfg.model.flavor], max_seq_len=max_seq_len), cfg)
+    args = dataclasses.replace(flavor_args(cfg), max_seq_len=max_seq_len)
     return args if n_layers is None else dataclasses.replace(args, n_layers=n_layers)
 
 

@@ -29,6 +29,8 @@ class Model:
     """Architecture, a key of the model registry (torchtitan/models)"""
     flavor: str = "debugmodel"
     """Size preset of the architecture, e.g. debugmodel, 1B, 8B, 70B, 405B"""
+    n_layers: int = 0
+    """Transformer blocks (0 = the flavor's): the flavor's block shapes that many times, e.g. a 2-block 8B smoke test"""
     tokenizer_path: str = ""
     """tokenizer.json file or a folder holding one ("" = the default BPE trained on the embedded corpus)"""
     converters: list[str] = field(default_factory=list)

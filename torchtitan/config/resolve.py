@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.flavor import flavor_args
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.moe import fill_moe
 from torchtitan.config.validate import check_resolved
@@ -63,7 +64,7 @@ def resolve(cfg: JobConfig, world_size: int) -> Resolved:
         _check_no_pipeline_keys(cfg)
     else:
         spec = get_model_spec(cfg.model.name)
-        args = spec.flavors[cfg.model.flavor]
+        args = flavor_args(cfg)
         # Validation walks the stages forward only, in micro-batches of any count (pipeline_parallel.py).
         batches = {"training.local_batch_size": t.local_batch_size}
         weights = (1.0, 1.0)

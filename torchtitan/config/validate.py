@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from torchtitan.config.checks import _err, _not_yet, _one_of, _positive
+from torchtitan.config.flavor import flavor_args
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.moe import check_moe
 from torchtitan.config.validate_finetune import check_chat_data, check_lora, check_rl
@@ -71,6 +72,9 @@ def _check_model(cfg: JobConfig) -> None:
         _err(str(e.args[0]))
     if cfg.model.flavor not in spec.flavors:
         _err(f"model.flavor: unknown flavor '{cfg.model.flavor}' of {spec.name}; known: {', '.join(spec.flavors)}")
+    if cfg.model.n_layers < 0:
+        _err(f"model.n_layers: must be >= 0 (0 = the flavor's {spec.flavors[cfg.model.flavor].n_layers}), got "
+             f"{cfg.model.n_layers}")
     _one_of("model.attn_mask_type", cfg.model.attn_mask_type, ("causal", "block_causal"))
 
 
@@ -247,8 +251,7 @@ def _check_tp_divides(cfg: JobConfig, seq_lens: dict[str, int]) -> None:
     spec = get_model_spec(cfg.model.name)
     if not spec.supports_tensor_parallel:
         _err(f"parallelism.tensor_parallel_degree={tp}: model {cfg.model.name} has no tensor-parallel plan yet")
-    model_args = spec.flavors[cfg.model.flavor]
-    errors = tp_divisibility_errors(model_args, tp, seq_lens)
+    errors = tp_divisibility_errors(flavor_args(cfg), tp, seq_lens)
     if errors:
         _err(f"parallelism.tensor_parallel_degree={tp} with model {cfg.model.name}/{cfg.model.flavor}: {errors[0]}")
 

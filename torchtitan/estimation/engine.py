@@ -37,7 +37,6 @@ from torchtitan.estimation.tracker import (
     local_tensors,
     untracked_dtensor_metadata,
 )
-from torchtitan.models.registry import get_model_spec
 from torchtitan.tools.device import training_param_dtype
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "communication")
@@ -360,7 +359,7 @@ def estimate(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = 
         return estimate_rank(cfg, world_size, rank, device_type)
     if cfg.parallelism.pipeline_parallel_degree > 1:
         return estimate_pipeline_rank(cfg, world_size, rank, device_type)
-    n_layers = get_model_spec(cfg.model.name).flavors[cfg.model.flavor].n_layers
+    n_layers = model_args_for(cfg).n_layers
     samples = sample_layer_counts(cfg, n_layers)
     if samples is None:
         return estimate_rank(cfg, world_size, rank, device_type)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from torchtitan.components.model_parts import loss_chunks
+from torchtitan.config.flavor import flavor_args
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.engine import CATEGORIES, Estimate
-from torchtitan.models.registry import get_model_spec
 
 GIB = 1024**3
 
@@ -82,7 +82,7 @@ def analytic(cfg: JobConfig, parallel_dims: ParallelDims, est: Estimate, param_b
     logits and their fp32 log-softmax (2 x vocab per token, divided by TP with loss parallel, and by the loss
     chunks: chunked logits exist one chunk at a time).
     """
-    args = get_model_spec(cfg.model.name).flavors[cfg.model.flavor]
+    args = flavor_args(cfg)
     tp = parallel_dims.tp
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     kv = args.num_kv_heads * args.head_dim
