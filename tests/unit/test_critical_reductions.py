@@ -329,6 +329,34 @@ def test_balance_loss_counts_are_summed_over_the_ranks_of_its_scope(layout):
     assert not wrong, f"{layout}: " + "; ".join(wrong)
 
 
+def _pipeline_balance_rank(rank: int) -> dict[str, float]:
+    """PP 2 whose stage 0 holds no MoE layer (DeepSeek's dense first blocks, cut into stages): both stages join the
+    routing metrics' reductions over pp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    layer = _moe(aux_loss_coeff=1.0, load_balance_coeff=BIAS_COEFF)
+    layer.token_scale = 1.0 / (BATCH * SEQ)
+    layer(_batch(0))
+    # the trainer hands every stage the model's MoE settings, so that both report the same metrics
+    layers = {"layers.1.moe": layer} if rank == 1 else {}
+    metrics, _ = update_expert_biases(layers, None, pp_mesh, torch.device("cpu"), moe_args=layer.args)
+    return {k: v for k, v in metrics.items() if "/" not in k}
+
+
+def test_routing_metrics_reduce_over_a_pipeline_stage_without_moe_layers():
+    # Regression: the stage without MoE layers reduced the load before the losses, the other stage the losses first;
+    # gloo failed the mismatched pair ("Received data size doesn't match expected size").
+    layer = _moe(aux_loss_coeff=1.0, load_balance_coeff=BIAS_COEFF)
+    layer.token_scale = 1.0 / (BATCH * SEQ)
+    layer(_batch(0))
+    want, _ = update_expert_biases({"moe": layer}, data_mesh=None)
+    got = run_ranks(_pipeline_balance_rank, world=2, timeout=TIMEOUT)
+    assert got[0] == got[1], got
+    for key in ("moe_load_max_over_mean", "moe_idle_experts_max", "moe_aux_loss"):
+        assert got[0][key] == pytest.approx(want[key], rel=1e-6), (key, got[0], want)
+
+
 # --------------------------------------------------------------------------- 3. the bias update's effect
 
 

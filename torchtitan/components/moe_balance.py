@@ -65,15 +65,16 @@ def update_expert_biases(named_layers: dict[str, MoE], data_mesh, pp_mesh=None, 
     coeffs = torch.tensor([0.0, 0.0] if args is None else [args.aux_loss_coeff, args.router_z_loss_coeff],
                           dtype=torch.float64, device=device)
     if not layers:
-        worst = dist_utils.all_reduce(torch.zeros(2, device=device), pp_mesh, "max")
+        # The same reductions over pp, in the same order and dtypes, as the ranks whose stages hold MoE layers.
         losses = dist_utils.all_reduce(torch.zeros(2, dtype=torch.float64, device=device), pp_mesh, "sum")
+        worst = dist_utils.all_reduce(torch.zeros(2, dtype=torch.float64, device=device), pp_mesh, "max")
         return _metrics(worst, losses, coeffs), {}
     counts = torch.stack([layer.tokens_per_expert for layer in layers])  # [layers, experts]
     counts = dist_utils.all_reduce(counts, data_mesh, "sum")
     # Each loss per layer: its sum over the step's tokens / their number, over every data rank; summed over the
     # layers of every stage.
     sums = dist_utils.all_reduce(torch.stack([layer.aux_loss_sum for layer in layers]), data_mesh, "sum")
-    losses = dist_utils.all_reduce((sums[:, :2] / sums[:, 2:].clamp_min(1.0)).sum(dim=0), pp_mesh, "sum")
+    losses = dist_utils.all_reduce((sums[:, :2] / sums[:, 2:].clamp_min(1.0)).sum(dim=0).double(), pp_mesh, "sum")
     mean = counts.mean(dim=1, keepdim=True)
     for layer, layer_counts, layer_mean in zip(layers, counts, mean, strict=True):
         if layer.expert_bias is not None:
@@ -82,7 +83,7 @@ def update_expert_biases(named_layers: dict[str, MoE], data_mesh, pp_mesh=None, 
         layer.aux_loss_sum.zero_()
     per_layer = counts.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)
     idle = (counts == 0).sum(dim=1).to(per_layer.dtype)
-    worst = dist_utils.all_reduce(torch.stack([per_layer.max(), idle.max()]), pp_mesh, "max")
+    worst = dist_utils.all_reduce(torch.stack([per_layer.max(), idle.max()]).double(), pp_mesh, "max")
     metrics = _metrics(worst, losses, coeffs)
     for name, load, none in zip(named_layers, per_layer.tolist(), idle.tolist(), strict=True):
         metrics[f"moe_load/{name}"] = load
