@@ -22,9 +22,18 @@ STEPS = 2
 # The parity runs (train_parity in tests/integration/conftest.py): COMMON, then these.
 PARITY = ("--training.steps", str(STEPS), "--validation.freq", "1")
 
+# Blocks of the small models in every integration run (model.n_layers; the flavors have 4, DeepSeek's 3): blocks are
+# identical, so a second one already shows everything that crosses blocks (FSDP's prefetch and per-block units,
+# every-other-block AC, a block per pipeline stage), and most of a layout's time is its blocks' DTensor and FSDP
+# Python overhead: 2 blocks cost about a quarter less than 4 (2026-11-27, docs/testing.md). Multi-stage pipeline
+# schedules need 4 stages over 2 ranks: those layouts and their references train the flavor's 4 (deep() below).
+BLOCKS = 2
+FOUR_BLOCKS = ("--model.n_layers", "4")
+
 # What every integration run of the small model shares; the other test files' runs set their own steps on top.
 COMMON = (
     "--model.flavor", "debugmodel_small",
+    "--model.n_layers", str(BLOCKS),
     "--training.steps", "3",
     "--training.seq_len", "64",
     "--training.global_batch_size", str(GLOBAL_BATCH),
@@ -119,6 +128,15 @@ LAYOUTS = [
     Layout("fsdp2_no_clip_accum", 2, (*dp(2, 2), "--training.max_norm", "0"), reference="single_process_no_clip"),
 ]
 
+def deep(layout: Layout) -> Layout:
+    """`layout` with 4 blocks, against its reference's 4-block twin (registered here on first use)."""
+    reference = f"{layout.reference}_4blocks"
+    if reference not in REFERENCES:
+        REFERENCES[reference] = Layout(reference, 1, (*REFERENCES[layout.reference].overrides, *FOUR_BLOCKS))
+    overrides = layout.overrides if FOUR_BLOCKS[0] in layout.overrides else (*layout.overrides, *FOUR_BLOCKS)
+    return Layout(layout.name, layout.nproc, overrides, reference=reference)
+
+
 # Pipeline parallel: the loss lives on the last stage; FQNs, init and the optimizer state follow the whole model.
 _PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 
@@ -131,25 +149,25 @@ PP_LAYOUTS = [
     Layout("pp2_gpipe", 2, (*dp(8, 1), *pp("GPipe"))),
     Layout("pp2_1f1b_accum_mb2_chunked_loss", 2, (*dp(4, 1), *pp("1F1B"), *CHUNKED_LOSS,
                                                   "--parallelism.pipeline_parallel_microbatch_size", "2")),
-    # Multi-stage schedules: 2 stages per rank, one block each (the V schedules place them in a V).
-    Layout("pp2_interleaved1f1b", 2, (*dp(8, 1), *pp("Interleaved1F1B"))),
-    Layout("pp2_loopedbfs", 2, (*dp(8, 1), *pp("LoopedBFS"))),
-    Layout("pp2_interleaved_zero_bubble", 2, (*dp(8, 1), *pp("InterleavedZeroBubble"))),
-    Layout("pp2_zbv_zero_bubble", 2, (*dp(8, 1), *pp("ZBVZeroBubble"))),
-    Layout("pp2_dualpipev", 2, (*dp(8, 1), *pp("DualPipeV"))),
-    Layout("pp2_csv_gpipe", 2, (*dp(8, 1), *pp("PipelineScheduleMulti"),
-                                "--parallelism.pipeline_parallel_schedule_csv",
-                                str(Path(__file__).parent / "data" / "pp2_gpipe_8mb.csv"))),
-    Layout("pp2_explicit_split_full_ac", 2, (*dp(8, 1), *pp("1F1B"), "--activation_checkpoint.mode", "full",
-                                             "--parallelism.module_fqns_per_model_part",
-                                             '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", '
-                                             '"norm", "output"]]')),
-    Layout("pp2_fsdp2_interleaved", 4, (*dp(4, 2), *pp("Interleaved1F1B"))),
+    # Multi-stage schedules: 2 stages per rank, one block each (the V schedules place them in a V), so 4 blocks.
+    deep(Layout("pp2_interleaved1f1b", 2, (*dp(8, 1), *pp("Interleaved1F1B")))),
+    deep(Layout("pp2_loopedbfs", 2, (*dp(8, 1), *pp("LoopedBFS")))),
+    deep(Layout("pp2_interleaved_zero_bubble", 2, (*dp(8, 1), *pp("InterleavedZeroBubble")))),
+    deep(Layout("pp2_zbv_zero_bubble", 2, (*dp(8, 1), *pp("ZBVZeroBubble")))),
+    deep(Layout("pp2_dualpipev", 2, (*dp(8, 1), *pp("DualPipeV")))),
+    deep(Layout("pp2_csv_gpipe", 2, (*dp(8, 1), *pp("PipelineScheduleMulti"),
+                                     "--parallelism.pipeline_parallel_schedule_csv",
+                                     str(Path(__file__).parent / "data" / "pp2_gpipe_8mb.csv")))),
+    deep(Layout("pp2_explicit_split_full_ac", 2, (*dp(8, 1), *pp("1F1B"), "--activation_checkpoint.mode", "full",
+                                                  "--parallelism.module_fqns_per_model_part",
+                                                  '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", '
+                                                  '"layers.3", "norm", "output"]]'))),
+    deep(Layout("pp2_fsdp2_interleaved", 4, (*dp(4, 2), *pp("Interleaved1F1B")))),
     Layout("pp2_tp2_chunked_loss", 4, (*dp(8, 1), *pp("1F1B"), *_TP2, *CHUNKED_LOSS)),
     # torch's input-gradient backward detaches stage outputs in place: TP's stage outputs must not be views
-    Layout("pp2_tp2_zbv_zero_bubble", 4, (*dp(8, 1), *pp("ZBVZeroBubble"), *_TP2)),
+    deep(Layout("pp2_tp2_zbv_zero_bubble", 4, (*dp(8, 1), *pp("ZBVZeroBubble"), *_TP2))),
     # torch's stage keeps FSDP parameters unsharded and gradients unreduced until the stage's last backward
-    Layout("pp2_fsdp2_interleaved_zero_bubble", 4, (*dp(4, 2), *pp("InterleavedZeroBubble"))),
+    deep(Layout("pp2_fsdp2_interleaved_zero_bubble", 4, (*dp(4, 2), *pp("InterleavedZeroBubble")))),
     Layout("pp2_hsdp2x2", 8, (*dp(2, 4), *pp("1F1B"), *_REPLICATE, "2")),
     Layout("pp2_fsdp2_tp2", 8, (*dp(4, 2), *pp("1F1B"), *_TP2)),
 ]
@@ -170,17 +188,22 @@ _CP_MESHES = [
     Layout("tp2_cp2", 4, (*dp(8, 1), *_CP2, *_TP2)),
     Layout("hsdp2x1_cp2", 4, (*dp(4, 2), *_CP2, *_REPLICATE, "2")),
     # later stages take hidden states: their rotary positions come from the cp rank, as the first stage's do
-    Layout("pp2_cp2_interleaved", 4, (*dp(8, 1), *_CP2, *pp("Interleaved1F1B"))),
+    deep(Layout("pp2_cp2_interleaved", 4, (*dp(8, 1), *_CP2, *pp("Interleaved1F1B")))),
 ]
 CP_LAYOUTS = [layout for layout in _CP_MESHES if layout.name in ("cp2", "hsdp2x1_cp2", "pp2_cp2_interleaved")]
+
+def _same(layout: Layout) -> Layout:
+    return layout
+
 
 # Under CP every rank keeps the whole sequence's document ids (its keys come from every rank); under PP they reach
 # every stage.
 # HSDP x CP adds nothing to that: the replicate dimension does not touch document ids, and the data ranks' own
 # document ids are covered by fsdp2_cp2_accum_block_causal.
 BLOCK_CAUSAL_LAYOUTS = [
-    Layout(f"{layout.name}_block_causal", layout.nproc, (*layout.overrides, *_BLOCK_CAUSAL),
-           reference="single_process_block_causal")
+    (deep if FOUR_BLOCKS[0] in layout.overrides else _same)(
+        Layout(f"{layout.name}_block_causal", layout.nproc, (*layout.overrides, *_BLOCK_CAUSAL),
+               reference="single_process_block_causal"))
     for layout in _CP_MESHES if layout.name != "hsdp2x1_cp2"
 ]
 
@@ -225,6 +248,8 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     ("moe_global_fsdp2_ep2_full_ac", 2, (*dp(4, 2), *_EP2, "--activation_checkpoint.mode", "full")),
 )]
 
+MOE_LAYOUTS = [deep(layout) if layout.name == "moe_aux_pp2_interleaved" else layout for layout in MOE_LAYOUTS]
+
 ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS + QWEN3_LAYOUTS + MOE_LAYOUTS
 
 # DeepSeek-V3 under tensor parallel: multi-head latent attention split over its heads, the low-rank projections and
@@ -249,7 +274,7 @@ DEEPSEEK_LAYOUTS = [
 ALL_LAYOUTS += DEEPSEEK_LAYOUTS
 
 # Float8 (torchao's tensorwise recipe, real float8 matmuls on CPU). The debug model's layers are all below torchao's
-# size thresholds, so every eligible layer is forced to convert (28 of 29; the output projection stays in fp32).
+# size thresholds, so every eligible layer is forced to convert (every block's 7; the output projection stays in fp32).
 # An activation's scale comes from the rows of the forward that casts it: a data-parallel rank's local batch, a
 # pipeline micro-batch (TP reduces it over the tp ranks). So each layout is compared with the 1-process float8 run
 # whose forwards take the same rows, in training and validation; CP, whose ranks scale their own part of each
@@ -297,9 +322,10 @@ ALL_LAYOUTS += FLOAT8_LAYOUTS
 
 # LoRA (docs/finetuning.md): rank-4 adapters on every block projection, everything else frozen (the harness checks
 # that frozen parameters get no gradient and keep their initial values bit for bit). B starts at zero, so step 1
-# trains B alone; at the default learning rate the adapters hardly move the loss in 3 steps, hence 1e-2.
+# trains B alone; at the default learning rate the adapters hardly move the loss in 2 steps, hence 3e-2 (the
+# validation loss falls by 2.7e-3 at 2 blocks; 6.5e-4 at 1e-2, too little for test_reference_learns, 2026-11-27).
 LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4", "--lora.alpha", "8",
-         "--optimizer.lr", "1e-2")
+         "--optimizer.lr", "3e-2")
 REFERENCES["single_process_lora"] = Layout("single_process_lora", 1, (*dp(8, 1), *LORA))
 LORA_LAYOUTS = [Layout(name, nproc, (*overrides, *LORA), reference="single_process_lora")
                 for name, nproc, overrides in (

@@ -51,6 +51,11 @@ REFERENCE_TOLERANCE: dict[str, dict[str, float]] = {
     # norm 1.3e-6, one tensor's gradient norm up to 1.3e-3 and its values up to 7.3e-3
     "single_process_float8_rowwise_rows4": {**TOLERANCE, "loss": 1e-5, "val_loss": 1e-5, "grad_norm": 2e-5,
                                             "grad": 2e-2, "param": 1e-1, "exp_avg": 2e-2, "exp_avg_sq": 4e-2},
+    # LoRA at learning rate 3e-2: B starts at zero, so AdamW's first updates move each element of B by about the
+    # learning rate whatever the sign noise of its gradient; values and moments of the adapters differ by up to
+    # 5.0e-5 and 6.9e-5 (2026-11-27, 2 blocks, FSDP 2 x TP 2), too close to the float32 ceilings of 1e-4. Gradient
+    # norms, which expose a wrong reduction, keep theirs (worst 1.0e-6 of 2e-5).
+    "single_process_lora": {**TOLERANCE, "param": 1e-3, "exp_avg": 1e-3, "exp_avg_sq": 1e-3},
 }
 
 

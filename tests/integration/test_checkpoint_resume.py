@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.conftest import setup_error, train_layout
 from tests.integration.launch import REPO, complete_steps, kill_tree, run_train, start_train
-from tests.integration.layouts import COMMON, dp
+from tests.integration.layouts import COMMON, FOUR_BLOCKS, dp
 from tests.integration.parity import assert_continues_bitwise, compare, from_step, run_layout
 
 pytestmark = pytest.mark.slow
@@ -95,18 +95,21 @@ def test_resume_on_one_unwrapped_process_both_ways(straight_fsdp4, pools, tmp_pa
     assert not problems, problems[:5]
 
 
+# 4 stages over 2 or 4 ranks need the flavor's 4 blocks (tests/integration/layouts.py): this test has its own
+# straight run.
 PP2_FSDP2 = (*dp(4, 2), "--parallelism.pipeline_parallel_degree", "2",
-             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
-PP4 = (*dp(8, 1), "--parallelism.pipeline_parallel_degree", "4")
+             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *FOUR_BLOCKS)
+PP4 = (*dp(8, 1), "--parallelism.pipeline_parallel_degree", "4", *FOUR_BLOCKS)
 
 
-def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
+def test_resume_across_pipeline_layouts(pools, tmp_path):
     """FSDP 4 step 2 -> PP 2 x FSDP 2 with 2 stages per rank (saves step 3, exports Hugging Face at 4) -> both
     FSDP 4 and PP 4 (one block per stage) from its step 3: every change of the stage split continues the curve."""
     from torchtitan.components.hf_io import load_hf
     from torchtitan.models.llama3.model import Transformer
 
-    folder, straight = straight_fsdp4
+    folder = tmp_path / "straight"
+    straight = train_layout(pools, 4, (*CKPT, *FSDP4, *FOUR_BLOCKS), folder)
     pp_run, back, pp4 = tmp_path / "pp2_fsdp2", tmp_path / "fsdp4", tmp_path / "pp4"
     _resume_from(folder, SAVED, pp_run)
     resumed = train_layout(pools, 4, (*CKPT, *PP2_FSDP2, *AND_MID, "--checkpoint.last_save_in_hf", "true"), pp_run)
@@ -123,7 +126,7 @@ def test_resume_across_pipeline_layouts(straight_fsdp4, pools, tmp_path):
     dcp_state = load_full_model_state(pp_run / "checkpoint" / f"step-{STEPS}")
     saved = {k.removeprefix("model."): v for k, v in dcp_state.items()}
     assert set(saved) == set(state) and all(torch.equal(state[k], saved[k]) for k in state)
-    for dest, nproc, layout in ((back, 4, FSDP4), (pp4, 4, PP4)):
+    for dest, nproc, layout in ((back, 4, (*FSDP4, *FOUR_BLOCKS)), (pp4, 4, PP4)):
         _resume_from(pp_run, MID, dest)
         again = train_layout(pools, nproc, (*CKPT, *layout), dest)
         problems = compare(again, from_step(straight, MID + 1))

@@ -28,7 +28,7 @@ def test_nonfinite_gradient_stops_naming_the_step_and_the_parameter(pools, tmp_p
     error = errors.pop()
     assert error.startswith("step 3: ") and "gradient norm is nan" in error, error
     # The NaN entered backward at block 1's feed-forward: the parameter closest to the output with a non-finite
-    # gradient is in block 1 (blocks 2 and 3, the norm and the output have finite gradients).
+    # gradient is in block 1 (the final norm and the output, nearer the loss, have finite gradients).
     culprit = error.split("first non-finite gradient in backward order: ")[1]
     assert culprit.startswith("layers.1."), error
     assert [m["step"] for m in results[0]["metrics"]] == [1, 2], "nothing may be logged or saved for step 3"

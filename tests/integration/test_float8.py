@@ -15,7 +15,7 @@ Then float8 must learn: over 100 steps its loss curve stays within a measured bo
 (CPU trains in fp32, so fp32 is the high-precision reference) while the loss falls by more than a nat.
 
 The debug model's layers are below torchao's size thresholds: `float8.skip_small_layers false` converts them
-anyway (28 of the 29 Linear layers; the output projection stays in fp32).
+anyway (the 7 Linear layers of every block; the output projection stays in fp32).
 """
 
 from __future__ import annotations

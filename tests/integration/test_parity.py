@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.conftest import mesh_shape, train_parity
-from tests.integration.layouts import ALL_LAYOUTS, FLOAT8_LAYOUTS, LORA, REFERENCES, STEPS, dp
+from tests.integration.layouts import ALL_LAYOUTS, BLOCKS, FLOAT8_LAYOUTS, LORA, REFERENCES, STEPS, dp
 from tests.integration.parity import (
     REFERENCE_TOLERANCE,
     TENSOR_TOLERANCE,
@@ -128,7 +128,8 @@ def test_the_suite_catches_averaged_gradients(case, nproc, args, reference_name,
 
 # ---- the harness's own detection power: planted bugs it must see, tensor by tensor ------------------------------
 
-_NORMS = [f"layers.{i}.{kind}.weight" for i in range(4) for kind in ("attention_norm", "ffn_norm")] + ["norm.weight"]
+_NORMS = [*(f"layers.{i}.{kind}.weight" for i in range(BLOCKS) for kind in ("attention_norm", "ffn_norm")),
+          "norm.weight"]
 _PROJECTION = "layers.1.attention.wq.weight"
 
 
@@ -203,7 +204,7 @@ def test_the_harness_sees_a_wrong_optimizer_state(reference, pools, tmp_path):
 
 # Under TP the row-wise layers' B (wo, w2) is replicated and each rank computes a partial sum of its gradient (over
 # its shard of the hidden units), which a hook sums over tp; the column-wise layers' A likewise.
-_ROW_WISE_B = {f"layers.{i}.{module}.lora_b" for i in range(4) for module in ("attention.wo", "feed_forward.w2")}
+_ROW_WISE_B = {f"layers.{i}.{module}.lora_b" for i in range(BLOCKS) for module in ("attention.wo", "feed_forward.w2")}
 _NORM = "layers.1.ffn_norm.weight"
 
 
