@@ -14,9 +14,11 @@ import socket
 import torch.multiprocessing as mp
 
 CTX = mp.get_context("forkserver")
-# torch._dynamo too: DTensor imports it on its first op, about 1 s of CPU in every forked rank otherwise.
+# torch._dynamo too: DTensor imports it on its first op, about 1 s of CPU in every forked rank otherwise. torchao's
+# float8 and what its conversion pulls in (functorch.compile: sympy, networkx), 0.5 s in every rank that first runs a
+# float8 layout (2026-11-27).
 CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor",
-                            "torchtitan.train"])
+                            "torchtitan.train", "torchao.float8", "functorch.compile"])
 
 
 def free_port() -> int:

@@ -19,7 +19,8 @@ from tests.integration.launch import complete_steps, read_metrics
 from tests.unit.forked import run_ranks
 from torchtitan.rl.loss import group_advantages
 
-ARGS = ["--model.flavor", "debugmodel_small", "--training.seq_len", "64", "--training.steps", "4",
+ARGS = ["--model.flavor", "debugmodel_small", "--model.n_layers", "2", "--training.seq_len", "64",
+        "--training.steps", "4",
         "--rl.group_size", "4", "--rl.prompts_per_step", "4", "--rl.max_new_tokens", "8",
         "--rl.rewards", "tests.unit.rl_rewards:char_variety", "--rl.kl_coeff", "0.05", "--rl.clip_high", "0.28",
         "--lr_scheduler.warmup_steps", "0", "--optimizer.lr", "3e-3", "--debug.seed", "0", "--metrics.log_freq", "1",

@@ -131,7 +131,8 @@ llama3_flavors["8B_8blocks"] = replace(llama3_flavors["8B"], n_layers=8)
 llama3_flavors["debugmodel_tied"] = replace(llama3_flavors["debugmodel"], tie_word_embeddings=True)
 # The parity tests' model: layouts of up to 8 ranks share 2 CPU cores, where every collective's latency and bytes
 # count (an 8-rank gloo all-reduce of 256 KiB takes ~20 ms there), so it is small in every dimension. The default
-# tokenizer follows its vocabulary (a 512-token BPE). 4 blocks, 2 KV heads: pipeline stages, TP 2.
+# tokenizer follows its vocabulary (a 512-token BPE). 4 blocks for 4 pipeline stages over 2 ranks (the other parity
+# layouts train 2 of them, model.n_layers), 2 KV heads for TP 2.
 llama3_flavors["debugmodel_small"] = replace(llama3_flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2,
                                              vocab_size=512, multiple_of=64)
 llama3_flavors["debugmodel_small_tied"] = replace(llama3_flavors["debugmodel_small"], tie_word_embeddings=True)
