@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.integration.layouts import COMMON, PARITY, REFERENCES
@@ -9,8 +11,14 @@ from tests.integration.pool import Pools
 
 @pytest.fixture(scope="session")
 def tt_cache_dir(tmp_path_factory):
-    """One tokenizer and inductor cache for the session: the default BPEs are trained once, then loaded."""
-    return tmp_path_factory.mktemp("torchtitan_cache")
+    """One tokenizer, dataset and inductor cache for the session, shared by the pytest-xdist workers as one machine's
+    ranks share ~/.cache/torchtitan: each default BPE is trained once (the first process takes the file lock, the
+    others wait and load it, torchtitan/data/tokenizer.py), then loaded."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one pytest process: a folder of its own
+        return tmp_path_factory.mktemp("torchtitan_cache")
+    shared = tmp_path_factory.getbasetemp().parent / "torchtitan_cache"  # the workers' common base folder
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="package")
