@@ -38,8 +38,9 @@ def canonical_name(name: str) -> str:
 
 
 def model_args_for(cfg: JobConfig, n_layers: int | None = None) -> Any:
-    """The flavor's args for this run: the rotary table covers the longest sequence trained or validated, and the
-    [moe] keys override the flavor's balance settings."""
+    """The flavor's args for this run (torchtitan/config/flavor.py: model.n_layers and the [moe] keys applied); the
+    rotary table covers the longest sequence trained or validated. `n_layers`: another depth (the estimator's
+    samples)."""
     max_seq_len = max(cfg.training.seq_len, cfg.validation.seq_len if cfg.validation.enable else 0)
     args = dataclasses.replace(flavor_args(cfg), max_seq_len=max_seq_len)
     return args if n_layers is None else dataclasses.replace(args, n_layers=n_layers)
