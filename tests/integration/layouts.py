@@ -137,6 +137,11 @@ def deep(layout: Layout) -> Layout:
     return Layout(layout.name, layout.nproc, overrides, reference=reference)
 
 
+def deep_if_set(layout: Layout) -> Layout:
+    """deep(layout) when its overrides already ask for 4 blocks (a layout derived from a deep one), else layout."""
+    return deep(layout) if FOUR_BLOCKS[0] in layout.overrides else layout
+
+
 # Pipeline parallel: the loss lives on the last stage; FQNs, init and the optimizer state follow the whole model.
 _PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 
@@ -192,18 +197,13 @@ _CP_MESHES = [
 ]
 CP_LAYOUTS = [layout for layout in _CP_MESHES if layout.name in ("cp2", "hsdp2x1_cp2", "pp2_cp2_interleaved")]
 
-def _same(layout: Layout) -> Layout:
-    return layout
-
-
 # Under CP every rank keeps the whole sequence's document ids (its keys come from every rank); under PP they reach
 # every stage.
 # HSDP x CP adds nothing to that: the replicate dimension does not touch document ids, and the data ranks' own
 # document ids are covered by fsdp2_cp2_accum_block_causal.
 BLOCK_CAUSAL_LAYOUTS = [
-    (deep if FOUR_BLOCKS[0] in layout.overrides else _same)(
-        Layout(f"{layout.name}_block_causal", layout.nproc, (*layout.overrides, *_BLOCK_CAUSAL),
-               reference="single_process_block_causal"))
+    deep_if_set(Layout(f"{layout.name}_block_causal", layout.nproc, (*layout.overrides, *_BLOCK_CAUSAL),
+                       reference="single_process_block_causal"))
     for layout in _CP_MESHES if layout.name != "hsdp2x1_cp2"
 ]
 
@@ -231,10 +231,10 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     ("moe_tp2_etp2", 2, (*dp(4, 1), *_TP2, *_ETP2)),
     ("moe_fsdp2_tp2_etp2", 4, (*dp(4, 2), *_TP2, *_ETP2)),
     ("moe_fsdp2_tp2_ep2_etp2", 4, (*dp(4, 2), *_TP2, *_EP2, *_ETP2)),
-)] + [Layout(name, nproc, (*overrides, *_MOE_AUX), reference="single_process_moe_aux")
+)] + [deep_if_set(Layout(name, nproc, (*overrides, *_MOE_AUX), reference="single_process_moe_aux"))
       for name, nproc, overrides in (
     ("moe_aux_fsdp2_accum", 2, dp(2, 2)),
-    ("moe_aux_pp2_interleaved", 2, (*dp(8, 1), *pp("Interleaved1F1B"))),
+    ("moe_aux_pp2_interleaved", 2, (*dp(8, 1), *pp("Interleaved1F1B"), *FOUR_BLOCKS)),
     # tensor and context parallel split each sequence: its expert counts are summed over cp x tp in the forward
     ("moe_aux_tp2_accum", 2, (*dp(4, 1), *_TP2)),
     ("moe_aux_cp2_full_ac", 2, (*dp(8, 1), *_CP2, "--activation_checkpoint.mode", "full")),
@@ -247,8 +247,6 @@ MOE_LAYOUTS = [Layout(name, nproc, (*overrides, *_MOE), reference="single_proces
     ("moe_global_fsdp2_tp2", 4, (*dp(4, 2), *_TP2)),
     ("moe_global_fsdp2_ep2_full_ac", 2, (*dp(4, 2), *_EP2, "--activation_checkpoint.mode", "full")),
 )]
-
-MOE_LAYOUTS = [deep(layout) if layout.name == "moe_aux_pp2_interleaved" else layout for layout in MOE_LAYOUTS]
 
 ALL_LAYOUTS = LAYOUTS + PP_LAYOUTS + CP_LAYOUTS + BLOCK_CAUSAL_LAYOUTS + QWEN3_LAYOUTS + MOE_LAYOUTS
 

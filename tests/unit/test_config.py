@@ -1009,15 +1009,15 @@ def test_train_entry_point_tripwires_catch_a_run_that_starts(tmp_path):
     assert proc.returncode == 99 and "tripwire: init_distributed called" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_n_layers_reaches_the_model_the_pipeline_plan_and_the_estimator():
-    """model.n_layers replaces the flavor's depth everywhere the config's model shapes are read: the args the
-    trainer builds from, the pipeline split, and the estimator's depth (its report names the blocks it built)."""
+def test_n_layers_reaches_the_model_and_the_pipeline_plan():
+    """model.n_layers replaces the flavor's depth in the args the trainer builds from and in the pipeline split (the
+    estimator's depth: test_depth_extrapolation_equals_the_full_run, tests/unit/test_memory_estimation.py)."""
     from torchtitan.components.model_parts import model_args_for
     from torchtitan.config.manager import load_config
 
     base = ["--model.flavor", "debugmodel_small"]
     assert model_args_for(load_config(base, 1)[0]).n_layers == 4
-    cfg, resolved = load_config([*base, "--model.n_layers", "2", "--model.name", "deepseek_v3"], 1)
+    cfg, _ = load_config([*base, "--model.n_layers", "2", "--model.name", "deepseek_v3"], 1)
     args = model_args_for(cfg)
     assert (args.n_layers, args.n_dense_layers, args.dim) == (2, 1, 64)  # the flavor's shapes, fewer blocks
     _, resolved = load_config([*base, "--model.n_layers", "3", "--parallelism.pipeline_parallel_degree", "2",
