@@ -58,7 +58,7 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
     mkdir -p "$site"
     for a in "${@:4}"; do
         case "$a" in
-            -e|--*) ;;
+            -e|--*|pip|1) ;;
             torch==*) touch "$site/torch" ;;
             *"[dev]") touch "$site/base" "$site/dev" ;;
             *) touch "$site/base" ;;
@@ -137,10 +137,14 @@ def _editable(target: str) -> list[str]:
     return ["install", "--no-compile", "-e", target]
 
 
+# a new venv gets a current pip before anything is installed with it
+UPGRADE_PIP = ["install", "--retries", "1", "--upgrade", "pip"]
+
+
 def test_training_installs_torch_and_the_project_without_extras(sandbox: Sandbox) -> None:
     python, calls = sandbox.run()
     assert python == sandbox.venv_python
-    assert calls == [_install("torch==2.13.0"), _editable(str(sandbox.root))]
+    assert calls == [UPGRADE_PIP, _install("torch==2.13.0"), _editable(str(sandbox.root))]
     # a second training run must not need the network
     assert sandbox.run() == (sandbox.venv_python, [])
 
@@ -156,7 +160,7 @@ def test_the_test_command_adds_dev_on_top_of_a_training_install(sandbox: Sandbox
 
 def test_training_after_the_test_command_installs_nothing(sandbox: Sandbox) -> None:
     python, calls = sandbox.run(need_dev=True)
-    assert calls == [_install("torch==2.13.0"), _editable(f"{sandbox.root}[dev]")]
+    assert calls == [UPGRADE_PIP, _install("torch==2.13.0"), _editable(f"{sandbox.root}[dev]")]
     assert sandbox.run() == (sandbox.venv_python, [])
     assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
 
@@ -190,7 +194,7 @@ def test_byte_code_is_compiled_after_an_install(sandbox: Sandbox) -> None:
 
 
 def test_torch_version_chooses_the_pin(sandbox: Sandbox) -> None:
-    assert sandbox.run(torch_version="2.12.1")[1][0] == _install("torch==2.12.1")
+    assert sandbox.run(torch_version="2.12.1")[1][1] == _install("torch==2.12.1")
 
 
 def test_an_interpreter_that_has_everything_is_used_without_installing(sandbox: Sandbox, tmp_path: Path) -> None:
