@@ -56,13 +56,16 @@ _tt_fresh() {
 # cached later, and every interpreter would compile torch's modules again at import (3.1 s instead of 1.4 s). So pip
 # installs with --no-compile, torch compiles on the other core while pip installs the rest, and compileall then
 # compiles the remaining files on every core; compile errors (a package's unused Python 2 file) are ignored, as pip
-# ignores them.
+# ignores them. Left out: the test suites other packages ship (pandas, sympy, networkx, numpy: 2,653 files),
+# transformers' 2,597 model files (the tests import a few, compiled at import in ~0.1 s) and pip, which nothing imports
+# after the install: everything but torch then compiles in 14.6 CPU-seconds instead of 31.7 (2026-11-27).
+_tt_compile_skip='/(tests|pip)/|/transformers/models/'
 _tt_torch_compile=""
 _tt_compile() {
     local purelib
     if [ -n "$_tt_torch_compile" ]; then wait "$_tt_torch_compile" || true; fi
     purelib="$(cd / && "$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-    (cd / && "$PYTHON" -m compileall -q -j 0 "$purelib" >> "$_tt_log.compile" 2>&1) || true
+    (cd / && "$PYTHON" -m compileall -q -j 0 -x "$_tt_compile_skip" "$purelib" >> "$_tt_log.compile" 2>&1) || true
 }
 
 if [ -n "${PYTHON:-}" ] && _tt_works "$PYTHON"; then
