@@ -35,6 +35,7 @@ from torchtitan.estimation.engine import (
     estimate_pipeline_rank,
     estimate_rank,
     run_steps,
+    sample_depths,
 )
 from torchtitan.estimation.pipeline import (
     layer_kinds,
@@ -312,6 +313,70 @@ def test_depth_extrapolation_equals_the_full_run():
     for step, peak in exact.step_peaks.items():
         extrapolated = approx.step_peaks[step].bytes
         assert abs(extrapolated - peak.bytes) <= 1e-3 * peak.bytes, (step, extrapolated, peak.bytes)
+
+
+def test_depth_samples_follow_block_kinds():
+    dense, moe = False, True
+    assert sample_depths([moe] * 32) == (4, 8)
+    assert sample_depths([moe] * 32, every=3) == (6, 12)  # selective AC every 3 blocks: whole groups
+    assert sample_depths([moe] * 8) is None  # as cheap to trace in full
+    assert sample_depths([dense] * 3 + [moe] * 58) == (4, 8)  # DeepSeek-V3: the samples hold every dense block
+    # 5 dense blocks: 4 and 8 would end the shallower sample on a dense block and add a dense block to the deeper one
+    assert sample_depths([dense] * 5 + [moe] * 11) == (6, 12)
+    assert sample_depths([dense] * 5 + [moe] * 7) is None
+    # Qwen3's decoder_sparse_step: every 2nd block is MoE (4 and 8 repeat it), every 3rd (4 would end on a dense one)
+    assert sample_depths([(i + 1) % 2 == 0 for i in range(48)]) == (4, 8)
+    assert sample_depths([(i + 1) % 3 == 0 for i in range(18)]) == (6, 12)
+    assert sample_depths([(i + 1) % 3 == 0 for i in range(17)]) is None  # the top block is dense: no sample ends so
+
+
+def _with_dense_blocks(n_dense_layers: int) -> None:
+    import dataclasses
+
+    from torchtitan.models.registry import get_model_spec
+
+    flavors = get_model_spec("deepseek_v3").flavors  # this child's copy
+    flavors["debugmodel"] = dataclasses.replace(flavors["debugmodel"], n_dense_layers=n_dense_layers)
+
+
+def _deepseek_dense_blocks(args: list[str], world: int) -> tuple:
+    _with_dense_blocks(4)
+    return _exact_and_extrapolated(parse_args(args), world)
+
+
+def test_depth_extrapolation_follows_block_kinds():
+    # DeepSeek's debug shapes with 4 dense blocks of 11: traced at 5 and 10 blocks. 4 and 8 would end the shallower
+    # sample on a dense block (with 5 dense blocks of 12, the peak extrapolated from 4 and 8 came out 0.63% low).
+    args = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.n_layers", "11",
+            "--training.local_batch_size", "1", "--training.seq_len", "32"]
+    exact, approx = in_child(_deepseek_dense_blocks, args, 2)
+    assert exact.extrapolated_from is None and approx.extrapolated_from == (5, 10) and not approx.full_depth_reason
+    assert abs(approx.peak_bytes - exact.peak_bytes) <= 1e-3 * exact.peak_bytes, (approx.peak_bytes, exact.peak_bytes)
+
+
+def _traced_depths(args: list[str], n_dense_layers: int) -> tuple:
+    """How estimate() traces the config, the trace itself left out (estimate_rank records the depths asked)."""
+    from torchtitan.estimation import engine
+
+    _with_dense_blocks(n_dense_layers)
+    asked = []
+
+    def trace(cfg, world_size, rank, device_type, n_layers=None, **_):
+        asked.append(n_layers)
+        return engine.Estimate(rank=rank, world_size=world_size, step_peaks={}, steady_bytes={}, counts={},
+                               seconds=0.0)
+
+    engine.estimate_rank = trace  # this child's module
+    est = engine.estimate(parse_args(args), 2, 0, "cuda")
+    return asked, est.extrapolated_from, est.full_depth_reason
+
+
+def test_blocks_of_mixed_kinds_are_traced_in_full_and_the_report_says_why():
+    args = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.n_layers", "12"]
+    asked, samples, reason = in_child(_traced_depths, args, 5)  # 5 dense blocks of 12
+    assert asked == [None] and samples is None and "repeat the kinds of its blocks" in reason, reason
+    assert in_child(_traced_depths, args, 3) == ([4, 8], (4, 8), "")
+    assert in_child(_traced_depths, [*args[:-1], "8"], 5) == ([None], None, "")  # as cheap in full: nothing to say
 
 
 def _full_and_extrapolated(args: list[str], world: int, blocks: list[int], rank: int):

@@ -29,7 +29,7 @@ from torchtitan.distributed.context_parallel import shard_microbatches
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, PipelinePlan
 from torchtitan.distributed.utils import mixed_precision_autocast
-from torchtitan.estimation.pipeline import PipelineActions, sample_stage_depths, stage_blocks
+from torchtitan.estimation.pipeline import PipelineActions, layer_kinds, sample_stage_depths, stage_blocks
 from torchtitan.estimation.tracker import (
     MemoryTracker,
     Record,
@@ -335,25 +335,41 @@ def _ac_interval(cfg: JobConfig) -> int:
 
 
 def sample_layer_counts(cfg: JobConfig, n_layers: int) -> tuple[int, int] | None:
-    """Two smaller depths whose estimates determine the full one, or None when the model is small enough to run.
+    """Two smaller depths whose estimates determine the full one, or None when every block must be traced
+    (sample_depths, on the kinds of the config's blocks)."""
+    return sample_depths(layer_kinds(model_args_for(cfg), n_layers), _ac_interval(cfg))
 
-    Multiples of the selective-AC interval, so both samples checkpoint the same share of their blocks."""
-    every = _ac_interval(cfg)
+
+def sample_depths(kinds: list[bool], every: int = 1) -> tuple[int, int] | None:
+    """Depths L and 2L < len(kinds) to trace, for blocks of these kinds (pipeline.layer_kinds) under selective AC
+    every `every` blocks, or None.
+
+    Multiples of the AC interval, so both samples checkpoint the same share of their blocks, and at least 4 blocks
+    (from 2 and 4, the 8B shapes without AC came out 2.6% low at 12). Where blocks differ in kind (DeepSeek's dense
+    first blocks, Qwen3's decoder_sparse_step), the blocks after the shallower sample must repeat the kinds the deeper
+    one adds, and both samples must end in a block of the real top block's kind (FSDP keeps the top block gathered
+    after its forward): otherwise the line through the samples is another model's (DeepSeek with 5 dense blocks, from
+    4 and 8: 0.63% low at 12)."""
+    n = len(kinds)
     low = every * max(1, -(-4 // every))
-    if n_layers <= 2 * low:
-        return None
-    return low, 2 * low
+    while 2 * low < n:
+        added = kinds[low:2 * low]
+        if (all(kinds[i] == added[(i - low) % low] for i in range(low, n))
+                and kinds[low - 1] == kinds[2 * low - 1] == kinds[-1]):
+            return low, 2 * low
+        low += every
+    return None
 
 
 def estimate(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = "cuda",
              exact: bool = False) -> Estimate:
     """estimate_rank, extrapolated in depth for deep models unless `exact`.
 
-    Transformer blocks are identical, so every memory quantity of a step is affine in the number of blocks (a
-    per-block share plus the embedding, output, loss and communication buffers). Two runs with L1 and L2 = 2 x L1
-    blocks give both coefficients; tests check the extrapolation against the exact run (same result to the byte
-    on the debug model). It keeps 70B at 64 ranks to seconds instead of minutes on a laptop. Under pipeline
-    parallel each stage is affine in its own blocks: see estimate_pipeline_rank.
+    Transformer blocks of one kind are identical, so every memory quantity of a step is affine in the number of
+    blocks (a per-block share plus the embedding, output, loss and communication buffers). Two runs with L1 and
+    L2 = 2 x L1 blocks give both coefficients (sample_layer_counts); tests check the extrapolation against the
+    exact run (same result to the byte on the debug model). It keeps 70B at 64 ranks to seconds instead of minutes
+    on a laptop. Under pipeline parallel each stage is affine in its own blocks: see estimate_pipeline_rank.
     """
     if exact:
         return estimate_rank(cfg, world_size, rank, device_type)
@@ -362,7 +378,10 @@ def estimate(cfg: JobConfig, world_size: int, rank: int = 0, device_type: str = 
     n_layers = model_args_for(cfg).n_layers
     samples = sample_layer_counts(cfg, n_layers)
     if samples is None:
-        return estimate_rank(cfg, world_size, rank, device_type)
+        est = estimate_rank(cfg, world_size, rank, device_type)
+        if sample_depths([False] * n_layers, _ac_interval(cfg)) is not None:  # deep enough, but of mixed kinds
+            est.full_depth_reason = "no two shallower models repeat the kinds of its blocks (dense, mixture of experts)"
+        return est
     low, high = (estimate_rank(cfg, world_size, rank, device_type, n_layers=n) for n in samples)
     return _extrapolate(low, high, (n_layers - samples[0]) / (samples[1] - samples[0]), samples)
 
