@@ -57,7 +57,7 @@ _tt_fresh() {
 # installs with --no-compile, torch compiles on the other core while pip installs the rest, and compileall then
 # compiles the remaining files on every core; compile errors (a package's unused Python 2 file) are ignored, as pip
 # ignores them. Left out: the test suites other packages ship (pandas, sympy, networkx, numpy: 2,653 files),
-# transformers' 2,597 model files (the tests import a few, compiled at import in ~0.1 s) and pip, which nothing imports
+# transformers' 2,597 model files (the tests import a few: under a second at import) and pip, which nothing imports
 # after the install: everything but torch then compiles in 14.6 CPU-seconds instead of 31.7 (2026-11-27).
 _tt_compile_skip='/(tests|pip)/|/transformers/models/'
 _tt_torch_compile=""
