@@ -25,14 +25,13 @@ SCRIPT = REPO / "scripts" / "benchmark_parallelism.py"
 WORLD = 2
 
 
-def _table(out: str) -> dict[str, list[str]]:
-    """Rows of the printed table by their first column (the FSDP baseline as 'FSDP'); the cells after it."""
-    rows = {}
+def _table(out: str) -> dict[str, list[list[str]]]:
+    """Rows of the printed table by their first column (the FSDP baseline as 'FSDP'), in order: the cells after it."""
+    rows: dict[str, list[list[str]]] = {}
     for line in out.splitlines():
-        if line.startswith("FSDP (no PP)"):
-            rows["FSDP"] = line.removeprefix("FSDP (no PP)").split()
-        elif line.split() and line.split()[0] in ("GPipe", "1F1B"):
-            rows[line.split()[0]] = line.split()[1:]
+        words = line.replace("FSDP (no PP)", "FSDP", 1).split()
+        if words and words[0] in ("GPipe", "1F1B", "Interleaved1F1B", "FSDP"):
+            rows.setdefault(words[0], []).append(words[1:])
     return rows
 
 
@@ -50,7 +49,8 @@ def test_pipeline_section_prints_a_bubble_row_per_schedule(tt_cache_dir):
     rows = _table(out)
     assert set(rows) == {"GPipe", "1F1B"}, out  # no FSDP row: nothing was launched to compare with
     for schedule in ("GPipe", "1F1B"):
-        v, m, *cells = rows[schedule]
+        [row] = rows[schedule]
+        v, m, *cells = row
         assert (v, m) == ("1", "2"), out
         bubbles = [float(c.rstrip("*")) for c in cells[:WORLD]]
         assert all(0.0 <= b <= 1.0 for b in bubbles), (schedule, out)
@@ -58,7 +58,7 @@ def test_pipeline_section_prints_a_bubble_row_per_schedule(tt_cache_dir):
         textbook, balance = float(cells[WORLD]), float(cells[WORLD + 1])
         assert textbook == pytest.approx(1 / 3, abs=1e-3), out  # (p-1)/(m+p-1) at p = m = 2
         assert 0.0 < balance <= 1.0, out
-        assert rows[schedule][-2:] == ["-", "-"], out
+        assert row[-2:] == ["-", "-"], out
 
 
 def test_pipeline_table_puts_tokens_per_second_on_its_rows(capsys):
@@ -72,11 +72,7 @@ def test_pipeline_table_puts_tokens_per_second_on_its_rows(capsys):
     tps = {"fsdp": {"tps": 200.0}, "1F1B": {"tps": 150.0}, "Interleaved1F1B": {"tps": 170.0}}
     bench.print_pipeline_table(a, rows, tps)
     out = capsys.readouterr().out
-    cells = {}
-    for line in out.splitlines():
-        words = line.replace("FSDP (no PP)", "FSDP").split()
-        if words and words[0] in ("GPipe", "1F1B", "Interleaved1F1B", "FSDP"):
-            cells.setdefault(words[0], []).append(words[1:])
+    cells = _table(out)
     assert [c[1] for c in cells["GPipe"]] == ["2", "4"] and all(c[-2:] == ["-", "-"] for c in cells["GPipe"]), out
     [one_f_one_b] = cells["1F1B"]
     assert one_f_one_b[:4] == ["1", "4", "0.250", "0.500*"] and one_f_one_b[-2:] == ["150", "0.75"], out
