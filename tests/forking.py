@@ -16,9 +16,14 @@ import torch.multiprocessing as mp
 CTX = mp.get_context("forkserver")
 # torch._dynamo too: DTensor imports it on its first op, about 1 s of CPU in every forked rank otherwise. torchao's
 # float8 and what its conversion pulls in (functorch.compile: sympy, networkx), 0.5 s in every rank that first runs a
-# float8 layout (2026-11-27).
+# float8 layout (2026-11-27). Then what children import lazily (2026-11-27, CPU-seconds in each child that needs it):
+# pytest, which every test module a child's function lives in imports (0.08 s); the pipeline runtime; inductor, for
+# the compiled layouts and float8's conversion (0.8 s). Not `datasets`: it starts pyarrow's allocator thread, and the
+# server must stay single-threaded to fork safely. forkserver_heap comes last (see there).
 CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor",
-                            "torchtitan.train", "torchao.float8", "functorch.compile"])
+                            "torchtitan.train", "torchao.float8", "functorch.compile", "pytest",
+                            "torch.distributed.pipelining", "torch._inductor.compile_fx",
+                            "torch._inductor.codegen.cpp", "torch._inductor.codegen.triton", "tests.forkserver_heap"])
 
 
 def free_port() -> int:
