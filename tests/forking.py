@@ -19,7 +19,8 @@ CTX = mp.get_context("forkserver")
 # float8 layout (2026-11-27). Then what children import lazily (2026-11-27, CPU-seconds in each child that needs it):
 # pytest, which every test module a child's function lives in imports (0.08 s); the pipeline runtime; inductor, for
 # the compiled layouts and float8's conversion (0.8 s). Not `datasets`: it starts pyarrow's allocator thread, and the
-# server must stay single-threaded to fork safely. forkserver_heap comes last (see there).
+# server must stay single-threaded to fork safely (tests/unit/test_forked.py checks). forkserver_heap comes last (see
+# there, and docs/testing.md).
 CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor",
                             "torchtitan.train", "torchao.float8", "functorch.compile", "pytest",
                             "torch.distributed.pipelining", "torch._inductor.compile_fx",

@@ -37,3 +37,20 @@ def test_results_come_back_by_rank():
 
 def _double(rank: int) -> int:
     return rank * 2
+
+
+def _server_state() -> tuple[int, int, bool, bool]:
+    import gc
+    import sys
+
+    server = os.getppid()  # a child's parent is the fork server
+    return (len(os.listdir(f"/proc/{server}/task")), gc.get_freeze_count(), "torch._inductor.compile_fx" in sys.modules,
+            "datasets" in sys.modules)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_fork_server_is_single_threaded_with_its_heap_frozen():
+    # A thread in the server at fork time (pyarrow's allocator thread, if `datasets` were preloaded) could hold a lock
+    # that the child then waits on forever (tests/forking.py); the frozen heap keeps children's collections short.
+    threads, frozen, preloaded, datasets = in_child(_server_state)
+    assert threads == 1 and frozen > 100_000 and preloaded and not datasets, (threads, frozen, preloaded, datasets)
