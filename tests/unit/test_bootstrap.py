@@ -19,11 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # Stands in for python3 and, copied by `-m venv`, for .venv/bin/python. What an interpreter has "installed" is
-# a marker file per group in <its bin folder>/fake-site: torch, base (torchtitan and its dependencies), dev.
+# a marker file per group in <its bin folder>/fake-site: pip, torch, base (torchtitan and its dependencies), dev.
 # `-c "import a, b"` (or the find_spec check, `-c "import sys, importlib.util ..." a b`) succeeds only when
-# every module's group is marked; `-m pip install ARGS` appends ARGS
-# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install; `-m compileall ... FOLDER` appends FOLDER
-# to $FAKE_PIP_LOG.compile.
+# every module's group is marked; `-m pip install ARGS` (which needs pip marked) appends ARGS
+# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install, `-m pip --python OTHER install ARGS` the
+# same for OTHER's fake-site; `-m ensurepip` marks pip (and logs "ensurepip"); `-m venv [--without-pip] DIR`
+# copies this script, with nothing installed; `-m compileall ... FOLDER` appends FOLDER to $FAKE_PIP_LOG.compile.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 site="$(cd "$(dirname "$0")" && pwd)/fake-site"
 has() { [ -e "$site/$1" ]; }
@@ -38,7 +39,7 @@ if [ "${1:-}" = "-c" ]; then
     for m in "${modules[@]}"; do
         case "$m" in
             "") ;;
-            torch) has torch || exit 1 ;;
+            pip|torch) has "$m" || exit 1 ;;
             pytest|xdist) has dev || exit 1 ;;
             *) has base || exit 1 ;;
         esac
@@ -46,14 +47,27 @@ if [ "${1:-}" = "-c" ]; then
     exit 0
 fi
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
-    mkdir -p "$3/bin" && cp "$0" "$3/bin/python"
+    mkdir -p "${*: -1}/bin" && cp "$0" "${*: -1}/bin/python"
     exit $?
+fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "ensurepip" ]; then
+    echo ensurepip >> "$FAKE_PIP_LOG"
+    mkdir -p "$site" && touch "$site/pip"
+    exit 0
+fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "--python" ]; then
+    has pip || exit 1
+    other="$(cd "$(dirname "$4")" && pwd)/fake-site"
+    (IFS=$'\t'; printf '%s\n' "${*:5}") >> "$FAKE_PIP_LOG"
+    mkdir -p "$other" && touch "$other/pip"
+    exit 0
 fi
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "compileall" ]; then
     printf '%s\n' "${@: -1}" >> "$FAKE_PIP_LOG.compile"
     exit 0
 fi
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
+    has pip || { echo "No module named pip" >&2; exit 1; }
     (IFS=$'\t'; printf '%s\n' "${*:3}") >> "$FAKE_PIP_LOG"
     mkdir -p "$site"
     for a in "${@:4}"; do
@@ -124,7 +138,7 @@ def sandbox(tmp_path: Path) -> Sandbox:
     root = tmp_path / "repo"
     shutil.copytree(REPO / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    _make_fake_python(tmp_path / "bin", "python3")  # a bare python3: nothing importable
+    _make_fake_python(tmp_path / "bin", "python3", ("pip",))  # a bare python3: only pip
     return Sandbox(root, tmp_path / "bin", tmp_path / "pip.log")
 
 
@@ -137,7 +151,7 @@ def _editable(target: str) -> list[str]:
     return ["install", "--no-compile", "-e", target]
 
 
-# a new venv gets a current pip before anything is installed with it
+# a new venv (made without pip) gets a current pip from the base interpreter's pip before anything is installed
 UPGRADE_PIP = ["install", "--retries", "1", "--upgrade", "pip"]
 
 
@@ -147,6 +161,13 @@ def test_training_installs_torch_and_the_project_without_extras(sandbox: Sandbox
     assert calls == [UPGRADE_PIP, _install("torch==2.13.0"), _editable(str(sandbox.root))]
     # a second training run must not need the network
     assert sandbox.run() == (sandbox.venv_python, [])
+
+
+def test_a_base_without_pip_leaves_the_venv_its_bundled_pip(sandbox: Sandbox) -> None:
+    (sandbox.bin / "fake-site" / "pip").unlink()
+    python, calls = sandbox.run()
+    assert python == sandbox.venv_python
+    assert calls == [["ensurepip"], _install("torch==2.13.0"), _editable(str(sandbox.root))]
 
 
 def test_the_test_command_adds_dev_on_top_of_a_training_install(sandbox: Sandbox) -> None:
