@@ -18,6 +18,8 @@ import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+from torchtitan.tools import startup_gc
+
 DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
 CPU_PROCESSES = 2  # without a GPU: two gloo ranks, so the default run exercises FSDP
 REQUIRED_MODULES = ("torch", "tokenizers", "torchdata", "tiktoken")
@@ -187,15 +189,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_args = list(sys.argv[1:] if argv is None else argv)
     _stop_if_a_module_is_missing(import_them=False)
     check_before_torch(train_args, os.environ)
+    startup_gc.pause()  # for torch's import, which is then frozen for the job's lifetime (tools/startup_gc.py)
     _stop_if_a_module_is_missing(import_them=True)
     import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    startup_gc.freeze_and_resume()
 
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     set_default_environment(os.environ, gpu_count)
     check_with_torch(train_args, os.environ, gpu_count)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         torchrun(torchrun_argv(train_args, os.environ, gpu_count))
     except ChildFailedError as e:  # instead of its traceback and report: one line naming the rank and the reason

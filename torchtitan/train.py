@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from torchtitan.tools import startup_gc
+
+# A rank's own process (python -m torchtitan.train): collection is paused for the imports below, and main() freezes
+# what they built (torchtitan/tools/startup_gc.py). Imported as a module, nothing changes.
+if __name__ == "__main__":
+    startup_gc.pause()
+
 import gc
 import json
 import os
@@ -376,6 +383,7 @@ def _estimate_and_exit(cfg: JobConfig, rank: int, world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup_gc.freeze_and_resume()
     init_logger()
     rank, _, world_size = dist_utils.env_world()
     try:

@@ -5,6 +5,12 @@ rl.enable is set here, and the pretraining trainer refuses it.
 
 from __future__ import annotations
 
+from torchtitan.tools import startup_gc
+
+# A rank's own process: collection paused for the imports below, frozen in main() (torchtitan/tools/startup_gc.py).
+if __name__ == "__main__":
+    startup_gc.pause()
+
 import sys
 from pathlib import Path
 
@@ -45,6 +51,7 @@ def run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup_gc.freeze_and_resume()
     init_logger()
     dist_utils.exit_process(run(argv))
 
