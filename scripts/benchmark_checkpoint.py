@@ -40,6 +40,7 @@ from torchtitan.components.checkpoint import CheckpointManager, TrainState  # no
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
 from torchtitan.models.llama3.args import llama3_flavors  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
+from torchtitan.tools import startup_gc  # noqa: E402
 
 CHUNK = 64 << 20
 
@@ -209,4 +210,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

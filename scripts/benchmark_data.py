@@ -28,6 +28,8 @@ use_project_python()  # the system Python re-runs this under the project's (scri
 
 import torch  # noqa: E402
 
+from torchtitan.tools import startup_gc  # noqa: E402
+
 H100_BF16_PEAK = 989e12
 MFU_8B = 0.40
 
@@ -136,4 +138,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

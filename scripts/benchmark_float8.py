@@ -29,6 +29,8 @@ from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
+from torchtitan.tools import startup_gc  # noqa: E402
+
 FLOAT8 = ["--model.converters", "float8"]
 VARIANTS = {
     "bf16": [],
@@ -111,4 +113,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

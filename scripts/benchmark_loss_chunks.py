@@ -27,6 +27,7 @@ use_project_python()  # the system Python re-runs this under the project's (scri
 import torch  # noqa: E402
 
 from torchtitan.models.decoder import OutputProjection  # noqa: E402
+from torchtitan.tools import startup_gc  # noqa: E402
 from torchtitan.tools.profiling import allocator_peak  # noqa: E402
 
 
@@ -103,4 +104,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

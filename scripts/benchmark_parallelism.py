@@ -84,6 +84,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
+
+from torchtitan.tools import startup_gc  # noqa: E402
+
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                       "DualPipeV")
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -485,4 +488,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

@@ -38,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
+
+from torchtitan.tools import startup_gc  # noqa: E402
+
 WORKLOAD = ["--model.flavor", "debugmodel", "--training.local_batch_size", "8", "--training.seq_len", "512",
             "--training.mixed_precision_param", "float32", "--training.max_norm", "1.0",
             "--optimizer.name", "AdamW", "--activation_checkpoint.mode", "none"]
@@ -327,4 +330,5 @@ def torch_version() -> str:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

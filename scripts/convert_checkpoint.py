@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from torchtitan.components import checkpoint_io as cio  # noqa: E402
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
+from torchtitan.tools import startup_gc  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -293,4 +294,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     sys.exit(main())

@@ -44,6 +44,7 @@ from torchtitan.estimation.report import (  # noqa: E402
     add_target_arguments,
     device_capacity_gib,
 )
+from torchtitan.tools import startup_gc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,4 +123,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     sys.exit(main())

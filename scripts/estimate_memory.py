@@ -45,6 +45,7 @@ from torchtitan.estimation.report import (  # noqa: E402
     fits,
     render,
 )
+from torchtitan.tools import startup_gc  # noqa: E402
 from torchtitan.tools.device import host_memory_bytes  # noqa: E402
 
 
@@ -143,4 +144,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     sys.exit(main())

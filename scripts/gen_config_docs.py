@@ -20,6 +20,7 @@ from project_python import use_project_python  # noqa: E402
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
 from torchtitan.config.manager import ALIASES, _type_name, field_docs, section_classes  # noqa: E402
+from torchtitan.tools import startup_gc  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
 
@@ -90,4 +91,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     sys.exit(main())

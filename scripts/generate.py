@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from torchtitan.data.chat import render_generation_prompt, stop_token_ids  # noqa: E402
 from torchtitan.generation import GenerationConfig, generate  # noqa: E402
+from torchtitan.tools import startup_gc  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -286,4 +287,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     sys.exit(main())

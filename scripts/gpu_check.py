@@ -40,6 +40,8 @@ from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
+from torchtitan.tools import startup_gc  # noqa: E402
+
 CHECKS = ("quickstart", "eager", "compiled", "allocator", "loss_chunks", "float8", "moe", "checkpoint")
 COMMON = ["--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable", "false"]
 
@@ -271,4 +273,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     sys.exit(main())

@@ -33,6 +33,8 @@ from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
+from torchtitan.tools import startup_gc  # noqa: E402
+
 EP_DEGREES = (2, 4, 8, 16, 64)
 
 
@@ -125,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()

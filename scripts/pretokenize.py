@@ -25,6 +25,8 @@ from project_python import use_project_python  # noqa: E402
 
 use_project_python()  # the system Python re-runs this under the project's (scripts/project_python.py)
 
+from torchtitan.tools import startup_gc  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     try:
         main()
     except (ValueError, FileNotFoundError) as e:

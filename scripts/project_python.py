@@ -23,6 +23,8 @@ _AGAIN = "TORCHTITAN_SCRIPT_REEXEC"  # set for the second run: never loop betwee
 def use_project_python() -> None:
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if not missing:
+        if sys._getframe(1).f_globals.get("__name__") == "__main__":  # run as a program, not imported by a test
+            _pause_collection_for_the_imports()
         return
     if os.environ.get(_AGAIN):
         raise SystemExit(f"{sys.executable} still lacks {', '.join(missing)} (chosen by scripts/bootstrap.sh)")
@@ -34,3 +36,14 @@ def use_project_python() -> None:
                          "could not set up the project's environment (see above)")
     os.environ[_AGAIN] = "1"
     os.execv(found.stdout, [found.stdout, *sys.argv])
+
+
+def _pause_collection_for_the_imports() -> None:
+    """The script's own imports follow with the garbage collector paused; its `__main__` block then calls
+    startup_gc.freeze_and_resume() (torchtitan/tools/startup_gc.py; tests/unit/test_startup_gc.py checks every
+    script does). Skipped where torchtitan itself is not importable: the script fails on its own import then."""
+    try:
+        from torchtitan.tools import startup_gc
+    except ImportError:
+        return
+    startup_gc.pause()

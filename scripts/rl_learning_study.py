@@ -32,6 +32,7 @@ use_project_python()  # the system Python re-runs this under the project's (scri
 
 from tests.unit import rl_learning as recipe  # noqa: E402
 from tests.unit.forked import run_ranks  # noqa: E402
+from torchtitan.tools import startup_gc  # noqa: E402
 
 
 def flipped_grpo_rank(rank: int, argv: list[str]) -> list[dict]:
@@ -110,4 +111,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    startup_gc.freeze_and_resume()  # the imports above ran with collection paused (scripts/project_python.py)
     main()
