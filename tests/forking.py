@@ -20,10 +20,10 @@ CTX = mp.get_context("forkserver")
 # pytest, which every test module a child's function lives in imports (0.08 s); the pipeline runtime; inductor, for
 # the compiled layouts and float8's conversion (0.8 s). Not `datasets`: it starts pyarrow's allocator thread, and the
 # server must stay single-threaded to fork safely (tests/unit/test_forked.py checks). forkserver_heap comes last (see
-# there, and docs/testing.md); forkserver_gc_pause comes first, so the collector stays off while the others load.
-CTX.set_forkserver_preload(["tests.forkserver_gc_pause", "torch", "torch._dynamo", "torch.distributed",
-                            "torch.distributed.tensor", "torchtitan.train", "torchao.float8", "functorch.compile",
-                            "pytest", "torch.distributed.pipelining", "torch._inductor.compile_fx",
+# there, and docs/testing.md).
+CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor",
+                            "torchtitan.train", "torchao.float8", "functorch.compile", "pytest",
+                            "torch.distributed.pipelining", "torch._inductor.compile_fx",
                             "torch._inductor.codegen.cpp", "torch._inductor.codegen.triton", "tests.forkserver_heap"])
 
 

@@ -6,7 +6,5 @@ server until written."""
 
 import gc
 
-from torchtitan.tools import startup_gc
-
-gc.collect()  # the preloads' cyclic garbage, which the children would otherwise share frozen
-startup_gc.freeze_and_resume()  # collection was paused for the preloads (tests/forkserver_gc_pause.py)
+gc.collect()
+gc.freeze()

@@ -44,8 +44,8 @@ def _server_state() -> tuple[int, int, bool, bool]:
     import sys
 
     server = os.getppid()  # a child's parent is the fork server
-    return (len(os.listdir(f"/proc/{server}/task")), gc.get_freeze_count() if gc.isenabled() else 0,
-            "torch._inductor.compile_fx" in sys.modules, "datasets" in sys.modules)
+    return (len(os.listdir(f"/proc/{server}/task")), gc.get_freeze_count(), "torch._inductor.compile_fx" in sys.modules,
+            "datasets" in sys.modules)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
