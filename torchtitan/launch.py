@@ -4,8 +4,9 @@ file and the thread count, checks the config, tokenizer and data as the ranks wi
 
 A launch therefore imports torch once before the ranks start, not once per check (each import is ~3 s on a
 2-core machine). The environment variables are those run_train.sh documents:
-NGPU, CONFIG_FILE, LOG_RANK, TORCHRUN_ARGS. Only the standard library is imported at module level, so a missing
-package is reported as one line rather than a traceback.
+NGPU, CONFIG_FILE, LOG_RANK, TORCHRUN_ARGS. Only the standard library (and torchtitan/tools/startup_gc.py, which
+needs nothing else) is imported at module level, so a missing package is reported as one line rather than a
+traceback.
 """
 
 from __future__ import annotations

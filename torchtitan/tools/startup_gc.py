@@ -1,5 +1,5 @@
 """The garbage collector while a process starts: paused during the imports, then everything they built moved out of
-every later collection (docs/performance.md, "Start-up").
+every later collection (docs/performance.md, "Launch to the first step").
 
 `import torchtitan.train` builds ~400,000 objects that live as long as the process: torch's modules and operator
 tables, DTensor's and FSDP's. With the collector on, allocation counts trigger full collections over that growing
