@@ -4,10 +4,12 @@
 #   1. ./.venv of this checkout, if it works and its stamp shows it was installed from the current
 #      pyproject.toml with the extras this command needs;
 #   2. otherwise the current python3, if it already has everything (a cluster's own environment): no install;
-#   3. otherwise create (or update) ./.venv, with a current pip, and install into it: the pinned torch when it is
-#      missing (TORCH_VERSION, default 2.13.0; an open range would pull the newest release and several GB of CUDA
+#   3. otherwise create (or update) ./.venv, with a current pip and uv, and install into it: the pinned torch when it
+#      is missing (TORCH_VERSION, default 2.13.0; an open range would pull the newest release and several GB of CUDA
 #      packages), then this project with only the extras this command needs. Training therefore never
-#      installs test tools, and the test command adds the dev extra on top of a training install.
+#      installs test tools, and the test command adds the dev extra on top of a training install. uv installs
+#      with pip's own settings (scripts/uv_pip.py); pip does where uv cannot be had or a setting has no uv
+#      equivalent, where uv fails, or with USE_UV=0.
 # The stamp (.venv/.installed-pyproject) is a first line "# extras: <names>" followed by the pyproject.toml
 # it was installed from; once it is written, later runs of any covered command invoke no pip (offline-safe).
 # Choosing an interpreter only locates the packages (importlib's find_spec, ~30 ms) rather than importing them
@@ -52,19 +54,30 @@ _tt_fresh() {
 
 # pip byte-compiles what it installs, on one core: 17 of torch's 24 s of install (measured 2026-11-27, 2 cores).
 # Compiling must still happen here: where PYTHONDONTWRITEBYTECODE is set (our development machines) nothing is
-# cached later, and every interpreter would compile torch's modules again at import (3.1 s instead of 1.4 s). So pip
-# installs with --no-compile, torch compiles on the other core while pip installs the rest, and compileall then
-# compiles the remaining files on every core; compile errors (a package's unused Python 2 file) are ignored, as pip
+# cached later, and every interpreter would compile torch's modules again at import (3.1 s instead of 1.4 s). So
+# packages install uncompiled, torch compiles on one core while the rest installs, and compileall then compiles the
+# other packages on every core beside it; compile errors (a package's unused Python 2 file) are ignored, as pip
 # ignores them. Left out: the test suites other packages ship (pandas, sympy, networkx, numpy: 2,653 files),
 # transformers' 2,597 model files (the tests import a few: under a second at import) and pip, which nothing imports
 # after the install: everything but torch then compiles in 14.6 CPU-seconds instead of 31.7 (2026-11-27).
 _tt_compile_skip='/(tests|pip)/|/transformers/models/'
 _tt_torch_compile=""
+_tt_torch_dir=""
 _tt_compile() {
-    local purelib
-    if [ -n "$_tt_torch_compile" ]; then wait "$_tt_torch_compile" || true; fi
+    local purelib skip="$_tt_compile_skip"
     purelib="$(cd / && "$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-    (cd / && "$PYTHON" -m compileall -q -j 0 -x "$_tt_compile_skip" "$purelib" >> "$_tt_log.compile" 2>&1) || true
+    if [ -n "$_tt_torch_compile" ]; then skip="$skip|^$_tt_torch_dir/"; fi  # still compiling in the background
+    (cd / && "$PYTHON" -m compileall -q -j 0 -x "$skip" "$purelib" >> "$_tt_log.compile" 2>&1) || true
+    if [ -n "$_tt_torch_compile" ]; then wait "$_tt_torch_compile" || true; fi
+}
+
+# `pip install ARGS` into $PYTHON (output to the log): through uv when _tt_uv=1, with pip if uv fails.
+_tt_install() {
+    if [ "$_tt_uv" = "1" ]; then
+        (cd / && "$PYTHON" "$_tt_root/scripts/uv_pip.py" install "$@") >> "$_tt_log" 2>&1 && return 0
+        echo "[bootstrap] uv failed: installing with pip instead (log: $_tt_log)" >&2
+    fi
+    "$PYTHON" -m pip install --no-compile "$@" >> "$_tt_log" 2>&1
 }
 
 if [ -n "${PYTHON:-}" ] && _tt_works "$PYTHON"; then
@@ -91,21 +104,32 @@ else
     : > "$_tt_log"
     # The venv is made without pip: its Python's bundled pip (3.11's: 23.2) takes 4 s to install, and 22 s to resolve
     # this project's dependencies where a current pip takes 11 s. The base interpreter's own pip (22.3 or later)
-    # installs a current one into it instead (2 s in all, against 6 s for the bundled pip and its upgrade; measured
-    # 2026-11-27, 2 cores). Where that fails (no pip in the base, or no newer pip to be had), the bundled one goes on.
+    # installs a current one into it instead, and uv (2 s in all, against 6 s for the bundled pip and its upgrade;
+    # measured 2026-11-27, 2 cores). Where that fails (no pip in the base, no uv or no newer pip to be had), a current
+    # pip alone, then the bundled one, goes on.
     if ! (cd / && "$PYTHON" -c "import pip" >/dev/null 2>&1); then
-        "$_tt_base" -m pip --python "$PYTHON" install --retries 1 --upgrade pip >> "$_tt_log" 2>&1 \
+        _tt_uv_wheel=uv
+        if [ "${USE_UV:-1}" = "0" ]; then _tt_uv_wheel=""; fi
+        # shellcheck disable=SC2086  # no uv: no argument
+        "$_tt_base" -m pip --python "$PYTHON" install --retries 1 --upgrade pip $_tt_uv_wheel >> "$_tt_log" 2>&1 \
+            || "$_tt_base" -m pip --python "$PYTHON" install --retries 1 --upgrade pip >> "$_tt_log" 2>&1 \
             || "$PYTHON" -m ensurepip >> "$_tt_log" 2>&1 \
             || { tail -n 30 "$_tt_log" >&2; echo "[bootstrap] could not give $_tt_root/.venv a pip (log: $_tt_log)" >&2; exit 1; }
     fi
+    # uv resolves and installs in a quarter of pip's time: pip spends most of its time parsing large projects' index
+    # pages (torch, numpy: 100,000 links in all). uv_pip.py passes pip's settings on, or says why it cannot.
+    _tt_uv=0
+    if [ "${USE_UV:-1}" != "0" ] && (cd / && "$PYTHON" "$_tt_root/scripts/uv_pip.py" check >> "$_tt_log" 2>&1); then
+        _tt_uv=1
+    fi
     if ! (cd / && "$PYTHON" -c "import torch" >/dev/null 2>&1); then
         echo "[bootstrap] installing torch==${TORCH_VERSION:-2.13.0} (set TORCH_VERSION to change)" >&2
-        "$PYTHON" -m pip install --no-compile "torch==${TORCH_VERSION:-2.13.0}" >> "$_tt_log" 2>&1 || {
+        _tt_install "torch==${TORCH_VERSION:-2.13.0}" || {
             tail -n 30 "$_tt_log" >&2
             echo "[bootstrap] installing torch==${TORCH_VERSION:-2.13.0} failed (log: $_tt_log)" >&2
             exit 1
         }
-        # torch's byte-code is compiled on the other core while pip installs the rest (see _tt_compile below).
+        # torch's byte-code is compiled on the other core while the rest installs (see _tt_compile below).
         _tt_torch_dir="$(cd / && "$PYTHON" -c "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])")"
         ( cd / && "$PYTHON" -m compileall -q -j 1 "$_tt_torch_dir" >> "$_tt_log.compile" 2>&1 ) &
         _tt_torch_compile=$!
@@ -117,7 +141,7 @@ else
     else
         echo "[bootstrap] installing torchtitan and its dependencies" >&2
     fi
-    "$PYTHON" -m pip install --no-compile -e "$_tt_target" >> "$_tt_log" 2>&1 || {
+    _tt_install -e "$_tt_target" || {
         tail -n 30 "$_tt_log" >&2
         echo "[bootstrap] installing torchtitan failed (log: $_tt_log)" >&2
         exit 1

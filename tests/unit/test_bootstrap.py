@@ -19,12 +19,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # Stands in for python3 and, copied by `-m venv`, for .venv/bin/python. What an interpreter has "installed" is
-# a marker file per group in <its bin folder>/fake-site: pip, torch, base (torchtitan and its dependencies), dev.
+# a marker file per group in <its bin folder>/fake-site: pip, uv, torch, base (torchtitan and its dependencies), dev.
 # `-c "import a, b"` (or the find_spec check, `-c "import sys, importlib.util ..." a b`) succeeds only when
 # every module's group is marked; `-m pip install ARGS` (which needs pip marked) appends ARGS
-# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install, `-m pip --python OTHER install ARGS` the
-# same for OTHER's fake-site; `-m ensurepip` marks pip (and logs "ensurepip"); `-m venv [--without-pip] DIR`
-# copies this script, with nothing installed; `-m compileall ... FOLDER` appends FOLDER to $FAKE_PIP_LOG.compile.
+# (tab-separated) to $FAKE_PIP_LOG and marks the groups it would install; `-m pip --python OTHER install ARGS` logs
+# ARGS and marks pip, and uv when ARGS name it, in OTHER's fake-site (it fails when they name uv and $FAKE_NO_UV is
+# set: no uv on the index); `.../uv_pip.py check` succeeds when uv is marked, `.../uv_pip.py install ARGS` logs "uv"
+# and ARGS and installs as pip does (it fails when $FAKE_UV_FAILS is set); `-m ensurepip` marks pip (and logs
+# "ensurepip"); `-m venv [--without-pip] DIR` copies this script, with nothing installed; `-m compileall ... FOLDER`
+# appends FOLDER to $FAKE_PIP_LOG.compile.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 site="$(cd "$(dirname "$0")" && pwd)/fake-site"
 has() { [ -e "$site/$1" ]; }
@@ -59,18 +62,13 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "--python" ]; the
     has pip || exit 1
     other="$(cd "$(dirname "$4")" && pwd)/fake-site"
     (IFS=$'\t'; printf '%s\n' "${*:5}") >> "$FAKE_PIP_LOG"
+    case " ${*:5} " in *" uv "*) [ -z "${FAKE_NO_UV:-}" ] || exit 1; mkdir -p "$other" && touch "$other/uv" ;; esac
     mkdir -p "$other" && touch "$other/pip"
     exit 0
 fi
-if [ "${1:-}" = "-m" ] && [ "${2:-}" = "compileall" ]; then
-    printf '%s\n' "${@: -1}" >> "$FAKE_PIP_LOG.compile"
-    exit 0
-fi
-if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
-    has pip || { echo "No module named pip" >&2; exit 1; }
-    (IFS=$'\t'; printf '%s\n' "${*:3}") >> "$FAKE_PIP_LOG"
+install() {  # marks the groups that `pip install ARGS` would install
     mkdir -p "$site"
-    for a in "${@:4}"; do
+    for a in "$@"; do
         case "$a" in
             -e|--*|pip|1) ;;
             torch==*) touch "$site/torch" ;;
@@ -78,6 +76,24 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
             *) touch "$site/base" ;;
         esac
     done
+}
+case "${1:-}" in
+    */uv_pip.py)
+        has uv || exit 1
+        [ "$2" = "check" ] && exit 0
+        [ -z "${FAKE_UV_FAILS:-}" ] || exit 1
+        (IFS=$'\t'; printf 'uv\t%s\n' "${*:2}") >> "$FAKE_PIP_LOG"
+        install "${@:3}"
+        exit 0 ;;
+esac
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "compileall" ]; then
+    printf '%s\n' "${@: -1}" >> "$FAKE_PIP_LOG.compile"
+    exit 0
+fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ] && [ "${3:-}" = "install" ]; then
+    has pip || { echo "No module named pip" >&2; exit 1; }
+    (IFS=$'\t'; printf '%s\n' "${*:3}") >> "$FAKE_PIP_LOG"
+    install "${@:4}"
     exit 0
 fi
 echo "fake python: unexpected arguments: $*" >&2
@@ -90,6 +106,7 @@ class Sandbox:
     root: Path
     bin: Path
     pip_log: Path
+    stderr: str = ""
 
     @property
     def compile_log(self) -> Path:
@@ -99,12 +116,13 @@ class Sandbox:
     def venv_python(self) -> str:
         return str(self.root / ".venv" / "bin" / "python")
 
-    def run(self, need_dev: bool = False, python: str | None = None,
-            torch_version: str | None = None) -> tuple[str, list[list[str]]]:
+    def run(self, need_dev: bool = False, python: str | None = None, torch_version: str | None = None,
+            **extra_env: str) -> tuple[str, list[list[str]]]:
         """Source bootstrap.sh as run_train.sh (or, need_dev, scripts/run_tests.sh) does.
 
-        Returns the PYTHON it chose and the argument lists of its pip calls."""
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NEED_DEV", "TORCH_VERSION")}
+        Returns the PYTHON it chose and the argument lists of its pip and uv calls."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "NEED_DEV", "TORCH_VERSION", "USE_UV")}
+        env.update(extra_env)
         env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
         env["FAKE_PIP_LOG"] = str(self.pip_log)
         if python is not None:
@@ -118,6 +136,7 @@ class Sandbox:
                               cwd=self.root, env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
         assert all(line.startswith("[bootstrap]") for line in proc.stderr.splitlines()), proc.stderr
+        self.stderr = proc.stderr
         return proc.stdout, [line.split("\t") for line in self.pip_log.read_text().splitlines()]
 
 
@@ -142,7 +161,8 @@ def sandbox(tmp_path: Path) -> Sandbox:
     return Sandbox(root, tmp_path / "bin", tmp_path / "pip.log")
 
 
-# pip never byte-compiles: bootstrap.sh compiles on both cores itself (test_byte_code_is_compiled_after_an_install)
+# neither pip nor uv byte-compiles: bootstrap.sh compiles on both cores itself
+# (test_byte_code_is_compiled_after_an_install)
 def _install(package: str) -> list[str]:
     return ["install", "--no-compile", package]
 
@@ -151,14 +171,20 @@ def _editable(target: str) -> list[str]:
     return ["install", "--no-compile", "-e", target]
 
 
-# a new venv (made without pip) gets a current pip from the base interpreter's pip before anything is installed
+def _uv(*args: str) -> list[str]:
+    """scripts/uv_pip.py: uv installs with pip's settings."""
+    return ["uv", "install", *args]
+
+
+# a new venv (made without pip) gets a current pip and uv from the base interpreter's pip before anything else
+PIP_AND_UV = ["install", "--retries", "1", "--upgrade", "pip", "uv"]
 UPGRADE_PIP = ["install", "--retries", "1", "--upgrade", "pip"]
 
 
 def test_training_installs_torch_and_the_project_without_extras(sandbox: Sandbox) -> None:
     python, calls = sandbox.run()
     assert python == sandbox.venv_python
-    assert calls == [UPGRADE_PIP, _install("torch==2.13.0"), _editable(str(sandbox.root))]
+    assert calls == [PIP_AND_UV, _uv("torch==2.13.0"), _uv("-e", str(sandbox.root))]
     # a second training run must not need the network
     assert sandbox.run() == (sandbox.venv_python, [])
 
@@ -170,18 +196,38 @@ def test_a_base_without_pip_leaves_the_venv_its_bundled_pip(sandbox: Sandbox) ->
     assert calls == [["ensurepip"], _install("torch==2.13.0"), _editable(str(sandbox.root))]
 
 
+def test_pip_installs_where_there_is_no_uv_to_be_had(sandbox: Sandbox) -> None:
+    python, calls = sandbox.run(FAKE_NO_UV="1")
+    assert python == sandbox.venv_python
+    assert calls == [PIP_AND_UV, UPGRADE_PIP, _install("torch==2.13.0"), _editable(str(sandbox.root))]
+
+
+def test_pip_installs_again_what_uv_failed_to(sandbox: Sandbox) -> None:
+    python, calls = sandbox.run(FAKE_UV_FAILS="1")
+    assert python == sandbox.venv_python
+    assert calls == [PIP_AND_UV, _install("torch==2.13.0"), _editable(str(sandbox.root))]
+    assert sandbox.stderr.count("uv failed: installing with pip instead") == 2, sandbox.stderr
+
+
+def test_use_uv_0_installs_with_pip_only(sandbox: Sandbox) -> None:
+    python, calls = sandbox.run(USE_UV="0")
+    assert calls == [UPGRADE_PIP, _install("torch==2.13.0"), _editable(str(sandbox.root))]
+    # a .venv without uv (as older bootstraps made them) is updated with pip
+    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [_editable(f"{sandbox.root}[dev]")])
+
+
 def test_the_test_command_adds_dev_on_top_of_a_training_install(sandbox: Sandbox) -> None:
     sandbox.run()
     python, calls = sandbox.run(need_dev=True)
     assert python == sandbox.venv_python
-    assert calls == [_editable(f"{sandbox.root}[dev]")]  # torch is already there: not reinstalled
+    assert calls == [_uv("-e", f"{sandbox.root}[dev]")]  # torch is already there: not reinstalled
     assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
     assert sandbox.run() == (sandbox.venv_python, [])
 
 
 def test_training_after_the_test_command_installs_nothing(sandbox: Sandbox) -> None:
     python, calls = sandbox.run(need_dev=True)
-    assert calls == [UPGRADE_PIP, _install("torch==2.13.0"), _editable(f"{sandbox.root}[dev]")]
+    assert calls == [PIP_AND_UV, _uv("torch==2.13.0"), _uv("-e", f"{sandbox.root}[dev]")]
     assert sandbox.run() == (sandbox.venv_python, [])
     assert sandbox.run(need_dev=True) == (sandbox.venv_python, [])
 
@@ -190,8 +236,8 @@ def test_a_changed_pyproject_updates_only_what_the_command_needs(sandbox: Sandbo
     sandbox.run(need_dev=True)
     with open(sandbox.root / "pyproject.toml", "a") as f:
         f.write("\n# a dependency changed\n")
-    assert sandbox.run() == (sandbox.venv_python, [_editable(str(sandbox.root))])
-    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [_editable(f"{sandbox.root}[dev]")])
+    assert sandbox.run() == (sandbox.venv_python, [_uv("-e", str(sandbox.root))])
+    assert sandbox.run(need_dev=True) == (sandbox.venv_python, [_uv("-e", f"{sandbox.root}[dev]")])
     assert sandbox.run() == (sandbox.venv_python, [])
 
 
@@ -206,8 +252,8 @@ def test_a_stamp_written_before_extras_were_recorded_counts_as_dev(sandbox: Sand
 def test_byte_code_is_compiled_after_an_install(sandbox: Sandbox) -> None:
     site = sandbox.root / ".venv" / "bin" / "fake-site"
     sandbox.run()
-    # torch's folder (in the background while pip installs the rest), then all of site-packages
-    assert sandbox.compile_log.read_text().splitlines() == [str(site / "torch"), str(site)]
+    # torch's folder (in the background from when torch is installed), and site-packages beside it
+    assert sorted(sandbox.compile_log.read_text().splitlines()) == [str(site), str(site / "torch")]
     sandbox.run(need_dev=True)  # torch already there: only site-packages, where compileall skips what is current
     assert sandbox.compile_log.read_text().splitlines() == [str(site)]
     sandbox.run()
@@ -215,7 +261,7 @@ def test_byte_code_is_compiled_after_an_install(sandbox: Sandbox) -> None:
 
 
 def test_torch_version_chooses_the_pin(sandbox: Sandbox) -> None:
-    assert sandbox.run(torch_version="2.12.1")[1][1] == _install("torch==2.12.1")
+    assert sandbox.run(torch_version="2.12.1")[1][1] == _uv("torch==2.12.1")
 
 
 def test_an_interpreter_that_has_everything_is_used_without_installing(sandbox: Sandbox, tmp_path: Path) -> None:
