@@ -21,6 +21,9 @@ def tt_cache_dir(tmp_path_factory):
     return shared
 
 
+_OPEN_POOLS: list[Pools] = []  # the pools fixture's value while it lives
+
+
 @pytest.fixture(scope="package")
 def pools(tmp_path_factory, tt_cache_dir):
     """Persistent pools of 1, 2, 4 or 8 forked gloo ranks (tests/integration/pool.py), started on first use and
@@ -29,8 +32,23 @@ def pools(tmp_path_factory, tt_cache_dir):
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
            "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     pools = Pools(tmp_path_factory.mktemp("pool_logs"), env)
+    _OPEN_POOLS.append(pools)
     yield pools
+    _OPEN_POOLS.remove(pools)
     pools.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_idle_pools_beside_a_module_without_them(request):
+    """Before a module none of whose tests uses the pools (torchrun launches, benchmark scripts), the open pools
+    close: an idle pool's gloo threads keep polling, about a quarter of a core for a 4-rank pool that has served a
+    few meshes (measured 2026-11-28), while the module's own processes want both cores. The next module that uses
+    pools starts them again."""
+    tests = [item for item in request.session.items if item.module is request.module]
+    if not any("pools" in item.fixturenames for item in tests):
+        for pools in _OPEN_POOLS:
+            pools.close()
+    yield
 
 
 def mesh_shape(args) -> tuple:
