@@ -104,9 +104,9 @@ else
     : > "$_tt_log"
     # The venv is made without pip: its Python's bundled pip (3.11's: 23.2) takes 4 s to install, and 22 s to resolve
     # this project's dependencies where a current pip takes 11 s. The base interpreter's own pip (22.3 or later)
-    # installs a current one into it instead, and uv (2 s in all, against 6 s for the bundled pip and its upgrade;
-    # measured 2026-11-27, 2 cores). Where that fails (no pip in the base, no uv or no newer pip to be had), a current
-    # pip alone, then the bundled one, goes on.
+    # installs a current one into it instead (2 s, against 6 s for the bundled pip and its upgrade; measured
+    # 2026-11-27, 2 cores), and uv beside it (3.4 s for both, 2026-11-28). Where that fails (no pip in the base, no uv
+    # or no newer pip to be had), a current pip alone, then the bundled one, goes on.
     if ! (cd / && "$PYTHON" -c "import pip" >/dev/null 2>&1); then
         _tt_uv_wheel=uv
         if [ "${USE_UV:-1}" = "0" ]; then _tt_uv_wheel=""; fi
