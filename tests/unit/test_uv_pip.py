@@ -3,9 +3,6 @@ when a pip setting has no uv equivalent (scripts/bootstrap.sh then installs with
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.scripts import load_script
@@ -67,14 +64,17 @@ def test_check_fails_and_says_why_then_bootstrap_uses_pip(monkeypatch, capsys, t
     assert "no uv at" in capsys.readouterr().err
 
 
-def test_install_runs_uv_for_this_interpreter_with_the_settings(monkeypatch):
-    ran = {}
+def test_install_runs_uv_for_this_interpreter_with_the_settings(monkeypatch, tmp_path):
+    fake_python = tmp_path / "bin" / "python"
+    fake_python.parent.mkdir()
+    (fake_python.parent / "uv").touch()
+    monkeypatch.setattr(uv_pip.sys, "executable", str(fake_python))
     monkeypatch.setattr(uv_pip, "_pip_config_listing", lambda: LISTING)
-    monkeypatch.setattr(uv_pip.Path, "is_file", lambda self: True)
+    ran = {}
     monkeypatch.setattr(uv_pip.subprocess, "run", lambda cmd, env: ran.update(cmd=cmd, env=env) or
-                        type("Done", (), {"returncode": 0})())
-    assert uv_pip.main(["install", "-e", "/repo[dev]"]) == 0
-    assert ran["cmd"][:5] == [str(Path(sys.executable).parent / "uv"), "pip", "install", "--python", sys.executable]
+                        type("Done", (), {"returncode": 3})())
+    assert uv_pip.main(["install", "-e", "/repo[dev]"]) == 3  # uv's own exit code
+    assert ran["cmd"][:5] == [str(fake_python.parent / "uv"), "pip", "install", "--python", str(fake_python)]
     assert ran["cmd"][-2:] == ["-e", "/repo[dev]"]
     assert ran["env"]["UV_HTTP_TIMEOUT"] == "180"
 
