@@ -66,7 +66,9 @@ _tt_torch_dir=""
 _tt_compile() {
     local purelib skip="$_tt_compile_skip"
     purelib="$(cd / && "$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-    if [ -n "$_tt_torch_compile" ]; then skip="$skip|^$_tt_torch_dir/"; fi  # still compiling in the background
+    if [ -n "$_tt_torch_compile" ]; then  # still compiling in the background; the folder as a literal regex
+        skip="$skip|^$(printf '%s' "$_tt_torch_dir" | sed 's/[][\\.*^$+?(){}|]/\\&/g')/"
+    fi
     (cd / && "$PYTHON" -m compileall -q -j 0 -x "$skip" "$purelib" >> "$_tt_log.compile" 2>&1) || true
     if [ -n "$_tt_torch_compile" ]; then wait "$_tt_torch_compile" || true; fi
 }
@@ -108,10 +110,8 @@ else
     # 2026-11-27, 2 cores), and uv beside it (3.4 s for both, 2026-11-28). Where that fails (no pip in the base, no uv
     # or no newer pip to be had), a current pip alone, then the bundled one, goes on.
     if ! (cd / && "$PYTHON" -c "import pip" >/dev/null 2>&1); then
-        _tt_uv_wheel=uv
-        if [ "${USE_UV:-1}" = "0" ]; then _tt_uv_wheel=""; fi
-        # shellcheck disable=SC2086  # no uv: no argument
-        "$_tt_base" -m pip --python "$PYTHON" install --retries 1 --upgrade pip $_tt_uv_wheel >> "$_tt_log" 2>&1 \
+        { [ "${USE_UV:-1}" != "0" ] \
+              && "$_tt_base" -m pip --python "$PYTHON" install --retries 1 --upgrade pip uv >> "$_tt_log" 2>&1; } \
             || "$_tt_base" -m pip --python "$PYTHON" install --retries 1 --upgrade pip >> "$_tt_log" 2>&1 \
             || "$PYTHON" -m ensurepip >> "$_tt_log" 2>&1 \
             || { tail -n 30 "$_tt_log" >&2; echo "[bootstrap] could not give $_tt_root/.venv a pip (log: $_tt_log)" >&2; exit 1; }
