@@ -66,17 +66,16 @@ def uv_arguments(settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         elif key in SWITCHES and value.strip().lower() in TRUE | FALSE:
             args += SWITCHES[key] if value.strip().lower() in TRUE else ()
         else:
-            raise Untranslatable(f"pip setting {key}={value!r}")
+            raise Untranslatable(f"pip setting {key}={value!r} has no uv equivalent")
     return args, env
 
 
-def uv_command(install_args: Iterable[str], listing: str, python: str | None = None) -> tuple[list[str], dict]:
-    """The `uv pip install` command line for `python` (this interpreter) and the environment it runs in: uv is
-    the one installed beside it."""
+def uv_command(install_args: Iterable[str], listing: str) -> tuple[list[str], dict]:
+    """The `uv pip install` command line for this interpreter and the environment it runs in: uv is the one
+    installed beside it."""
     args, env = uv_arguments(pip_settings(listing))
-    python = python or sys.executable
-    uv = Path(python).parent / "uv"
-    return [str(uv), "pip", "install", "--python", python, *args, *install_args], {**env, **os.environ}
+    uv = Path(sys.executable).parent / "uv"
+    return [str(uv), "pip", "install", "--python", sys.executable, *args, *install_args], {**env, **os.environ}
 
 
 def _pip_config_listing() -> str:
@@ -93,7 +92,7 @@ def main(argv: list[str]) -> int:
     try:
         cmd, env = uv_command(argv[1:], _pip_config_listing())
     except Untranslatable as e:
-        print(f"uv_pip: {e} has no uv equivalent: installing with pip", file=sys.stderr)
+        print(f"uv_pip: {e}: installing with pip", file=sys.stderr)
         return 1
     if not Path(cmd[0]).is_file():
         print(f"uv_pip: no uv at {cmd[0]}", file=sys.stderr)
